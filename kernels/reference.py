@@ -1,0 +1,106 @@
+"""Torch references of every kernel op: the CPU implementation and the oracle
+the Triton kernels are tested against.
+
+Layouts (shared with the Triton kernels):
+  q            [T, Hq, D]        new tokens of a ragged step, T = sum of query lens
+  k, v         [T, Hkv, D]
+  k_cache      [P, page_size, Hkv, D]   one layer's K pages (v_cache likewise)
+  kv           [L, 2, P, page_size, Hkv, D]   the whole pool, all layers
+  cos, sin     [max_pos, D // 2]  float32 RoPE tables (HF "rotate_half" convention)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttnMetadata
+
+
+def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per sequence: the flat cache slots of keys [0, L) and the chunk's mask
+    (None when a plain full attention is exact, i.e. one query and no window)."""
+    plan = []
+    device = meta.block_tables.device
+    ps = meta.page_size
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        n_pages = (s_len + ps - 1) // ps
+        pages = meta.block_tables[i, :n_pages].to(torch.int64)
+        slots = (pages[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)[:s_len]
+        q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
+        k_pos = torch.arange(s_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window > 0:
+            mask = mask & (k_pos > q_pos - sliding_window)
+        plan.append((slots, None if bool(mask.all()) else mask))
+    return plan
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
+    at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
+    plan = meta.torch_plans.get(sliding_window)
+    if plan is None:
+        plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    start = 0
+    for q_len, (slots, mask) in zip(meta.query_lens_list, plan):
+        qi = q[start : start + q_len].transpose(0, 1)  # [Hq, Δ, D]
+        ki = k_flat.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
+        vi = v_flat.index_select(0, slots).transpose(0, 1)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = oi.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+) -> torch.Tensor:
+    """Rotate q and k at meta.positions, write rotated k and v into their page
+    slots (meta.slot_mapping); return rotated q."""
+    c = cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D/2]
+    s = sin.index_select(0, meta.positions)[:, None, :]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _rotate(k, c, s))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    return _rotate(q, c, s)
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """With a residual: h = x + residual; returns (weight * h / rms(h), h).
+    Without: returns (weight * x / rms(x), x). Statistics in float32, as HF."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv[:, :, dst[i]] = kv[:, :, src[i]] for every layer, K and V."""
+    kv[:, :, dst] = kv[:, :, src]

@@ -1,0 +1,28 @@
+import os
+
+import torch
+
+# The Triton interpreter must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+from cache.pool import PagePool  # noqa: E402
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def page_accounting():
+    """The invariant of the design: after every test, every pool still alive
+    has free + referenced == total and refcounts that match their holders."""
+    yield
+    gc.collect()
+    for pool in list(PagePool.live):
+        pool.check()
