@@ -1,0 +1,74 @@
+"""The one forward of the engine: append chunks of tokens to sequences.
+
+Prefill, a turn's delta, a decode step and a speculative verify are all a
+`step`: each item names a sequence's block table, its new tokens and how many
+trailing logits it wants. Pages are reserved for every item at once (all or
+nothing), shared pages about to be written are copied first, then a single
+ragged forward writes the K/V and returns the logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from cache.block_table import BlockTable
+from cache.errors import KVCapacityError
+from cache.pool import PagePool
+from kernels import AttnMetadata
+from model.llama import Transformer
+
+
+@dataclass(slots=True)
+class StepItem:
+    table: BlockTable
+    tokens: list[int]
+    num_logits: int = 1  # logits of the last num_logits tokens are returned
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, pool: PagePool):
+        self.model = model
+        self.pool = pool
+
+    def step(self, items: list[StepItem]) -> list[torch.Tensor]:
+        """Compute the K/V of every item's tokens; return each item's logits
+        [num_logits, vocab] (fp32). On any error no table has changed."""
+        needed = sum(it.table.pages_needed(len(it.tokens)) for it in items)
+        if needed > self.pool.num_free:
+            raise KVCapacityError(needed, self.pool.num_free, self.pool.page_size)
+        old_lengths = [it.table.length for it in items]
+        try:
+            copies = [c for it in items for c in it.table.reserve(len(it.tokens))]
+            if copies:
+                src, dst = zip(*copies)
+                device = self.pool.kv.device
+                kernels.copy_pages(self.pool.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+            logits = self._forward(items)
+        except BaseException:
+            for it, n in zip(items, old_lengths):
+                it.table.truncate(n)
+            raise
+        for it in items:
+            it.table.advance(len(it.tokens))
+        return list(logits.split([it.num_logits for it in items]))
+
+    def _forward(self, items: list[StepItem]) -> torch.Tensor:
+        device = self.model.device
+        query_lens = [len(it.tokens) for it in items]
+        meta = AttnMetadata.build(
+            query_lens,
+            [it.table.length + q for it, q in zip(items, query_lens)],
+            [it.table.pages for it in items],
+            self.pool.page_size,
+            device,
+        )
+        ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64, device=device)
+        logit_rows, end = [], 0
+        for it, q in zip(items, query_lens):
+            end += q
+            logit_rows.extend(range(end - it.num_logits, end))
+        all_rows = len(logit_rows) == end
+        rows = None if all_rows else torch.tensor(logit_rows, dtype=torch.int64, device=device)
+        return self.model(ids, meta, self.pool.kv, rows)

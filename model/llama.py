@@ -1,0 +1,110 @@
+"""A hand-written Llama-family decoder (Llama, Mistral, Qwen2) with ONE forward:
+a ragged batch of sequences, each appending a chunk of new tokens whose K/V go
+into its pages, attending to its cached pages plus causally within the chunk.
+Prefill, a turn's delta, a decode step and a speculative verify are all this.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels import AttnMetadata
+from model.config import ModelConfig
+from model.rope import rope_tables
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, window: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window
+        self.scale = cfg.head_dim**-0.5
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one matmul: one weight read per step.
+        self.qkv_weight = _param(q_dim + 2 * kv_dim, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(q_dim + 2 * kv_dim, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, q_dim, dtype=dtype, device=device)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+
+    def forward(self, x, meta: AttnMetadata, k_cache, v_cache, cos, sin) -> torch.Tensor:
+        # x: [T, hidden]
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_dim].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
+        q = kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, Hq, D]
+        return F.linear(o.reshape(t, q_dim), self.o_weight, self.o_bias)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+        self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.attn = Attention(cfg, cfg.sliding_windows[layer], dtype, device)
+        self.mlp = FeedForward(cfg, dtype, device)
+        self.attn_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.mlp_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.blocks = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttnMetadata,
+        kv: torch.Tensor,
+        logit_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [T] new tokens of the step; kv: the page pool's
+        [layers, 2, pages, page_size, kv_heads, head_dim]. Returns fp32 logits
+        [N, vocab] at logit_indices (all T tokens when None)."""
+        eps = self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        residual = None
+        for i, block in enumerate(self.blocks):
+            x, residual = kernels.rmsnorm(h, block.attn_norm, eps, residual)
+            h = block.attn(x, meta, kv[i, 0], kv[i, 1], self.cos, self.sin)
+            x, residual = kernels.rmsnorm(h, block.mlp_norm, eps, residual)
+            h = block.mlp(x)
+        if logit_indices is not None:
+            h, residual = h[logit_indices], residual[logit_indices]
+        h, _ = kernels.rmsnorm(h, self.norm, eps, residual)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,113 @@
+"""Hugging Face checkpoints in, Hugging Face checkpoints out.
+
+Reads config.json and model.safetensors (or a sharded
+model.safetensors.index.json) into the hand-written Transformer, fusing q/k/v
+and gate/up on the way; writes the same layout back, so transformers can load
+what we save.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import ModelConfig
+from model.errors import ModelLoadError
+from model.llama import Transformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelLoadError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensor names concatenated (dim 0) into it."""
+    src = {"embed": ["model.embed_tokens.weight"], "norm": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        src["lm_head"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        src[ours + "attn_norm"] = [hf + "input_layernorm.weight"]
+        src[ours + "mlp_norm"] = [hf + "post_attention_layernorm.weight"]
+        src[ours + "attn.qkv_weight"] = [hf + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        src[ours + "attn.o_weight"] = [hf + "self_attn.o_proj.weight"]
+        src[ours + "mlp.gate_up_weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
+        src[ours + "mlp.down_weight"] = [hf + "mlp.down_proj.weight"]
+        if cfg.qkv_bias:
+            src[ours + "attn.qkv_bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if cfg.o_bias:
+            src[ours + "attn.o_bias"] = [hf + "self_attn.o_proj.bias"]
+        if cfg.mlp_bias:
+            src[ours + "mlp.gate_up_bias"] = [hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"]
+            src[ours + "mlp.down_bias"] = [hf + "mlp.down_proj.bias"]
+    return src
+
+
+def _shard_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = parse_dtype(dtype)
+    files = _shard_files(path)
+    model = Transformer(cfg, torch_dtype, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_file: dict[Path, list[str]] = {}
+    for names in _hf_sources(cfg).values():
+        for name in names:
+            if name not in files:
+                raise ModelLoadError(f"checkpoint {path} lacks tensor {name!r}")
+            by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                tensors[name] = f.get_tensor(name)
+    for ours, names in _hf_sources(cfg).items():
+        value = torch.cat([tensors[n] for n in names], dim=0)
+        if value.shape != params[ours].shape:
+            raise ModelLoadError(
+                f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
+            )
+        params[ours].data.copy_(value)
+    return model
+
+
+def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
+    """Write model.safetensors and config.json in Hugging Face layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sizes = {
+        "qkv": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim],
+        "gate_up": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    out = {}
+    for ours, names in _hf_sources(cfg).items():
+        parts = params[ours].data.split(sizes["qkv" if "qkv" in ours else "gate_up"], dim=0) if len(names) > 1 else [params[ours].data]
+        for name, part in zip(names, parts):
+            out[name] = part.contiguous().clone()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
