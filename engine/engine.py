@@ -1,0 +1,134 @@
+"""The engine: a model, its page pool, its tokenizer, and the sessions on them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from cache.pool import PagePool
+from engine.errors import InvalidRequestError
+from engine.runner import ModelRunner
+from engine.session import Session
+from engine.stats import TurnStats
+from model.config import ModelConfig
+from model.default import default_model_dir
+from model.llama import Transformer
+from model.loader import load_model, parse_dtype
+from model.tokenizer import Tokenizer
+from model.tool_calls import parse_tool_calls
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ChatResult:
+    text: str
+    tool_calls: list[dict]
+    usage: dict
+    finish_reason: str  # "stop", "length" or "tool_calls"
+    token_ids: list[int] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        stateless: bool = False,
+    ):
+        cfg: ModelConfig = model.cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        if num_pages is None:
+            num_pages = PagePool.pages_for_budget(
+                kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, model.dtype
+            )
+        self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, self.pool)
+        self.stateless = stateless
+        self.max_context = cfg.max_position_embeddings
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids))
+        self.stats: list[TurnStats] = []
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        **kwargs,
+    ) -> "Engine":
+        """Load a Hugging Face checkpoint directory; with no path, the embedded
+        default model (made on first use, no download)."""
+        path = Path(path) if path is not None else default_model_dir()
+        model = load_model(path, parse_dtype(dtype), device)
+        return cls(model, Tokenizer.from_dir(path), **kwargs)
+
+    def session(self, namespace: str = "default") -> Session:
+        return Session(self, namespace)
+
+    def finish_turn(self, session: Session) -> None:
+        self.stats.append(session.turn)
+        session.turn = TurnStats()
+
+    def chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        session: Session | None = None,
+        max_tokens: int = 256,
+        **sampling,
+    ) -> ChatResult:
+        """Render the conversation, reuse the longest common prefix with the
+        session's tokens, compute only the rest, and generate the reply.
+        The session (a temporary one when None) ends holding the prompt and
+        the reply; on error it is as before."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        if not prompt:
+            raise InvalidRequestError("the rendered prompt is empty")
+        # Work on a fork so that a failure leaves the session untouched.
+        work = session.fork() if session is not None else self.session()
+        try:
+            reused = 0 if self.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
+            work.truncate(reused)
+            work.append(prompt[reused:])
+            work.turn.prompt_tokens, work.turn.reused_tokens = len(prompt), reused
+            ids = work.generate(max_tokens=max_tokens, **sampling)
+        except BaseException:
+            work.close()
+            raise
+        turn = self.stats[-1]
+        if session is None:
+            work.close()
+        elif self.stateless:
+            work.close()
+            session.truncate(0)
+        else:
+            session.adopt(work)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        content, calls = parse_tool_calls(text)
+        stop_hit = bool(set(ids[-1:]) & set(self.eos_token_ids)) or len(ids) < max_tokens
+        finish = "tool_calls" if calls else ("stop" if stop_hit else "length")
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt) + len(ids),
+            "cached_tokens": reused,
+            "computed_tokens": turn.computed_tokens,
+        }
+        return ChatResult(content, calls, usage, finish, ids)
+
