@@ -43,7 +43,7 @@ class Engine:
     def __init__(
         self,
         model: Transformer,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         *,
         page_size: int = 16,
         num_pages: int | None = None,
@@ -61,7 +61,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool)
         self.stateless = stateless
         self.max_context = cfg.max_position_embeddings
-        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids))
+        tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
         self.stats: list[TurnStats] = []
 
     @classmethod
@@ -76,7 +77,8 @@ class Engine:
         default model (made on first use, no download)."""
         path = Path(path) if path is not None else default_model_dir()
         model = load_model(path, parse_dtype(dtype), device)
-        return cls(model, Tokenizer.from_dir(path), **kwargs)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+        return cls(model, tokenizer, **kwargs)
 
     def session(self, namespace: str = "default") -> Session:
         return Session(self, namespace)
@@ -97,6 +99,8 @@ class Engine:
         session's tokens, compute only the rest, and generate the reply.
         The session (a temporary one when None) ends holding the prompt and
         the reply; on error it is as before."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         if not prompt:
             raise InvalidRequestError("the rendered prompt is empty")

@@ -126,6 +126,8 @@ class Session:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         )
+        if params.stop and self.engine.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
         with self._busy():
             self._check_length(len(self._tokens) + 1)
             before = len(self._tokens)

@@ -7,6 +7,7 @@ deterministic random weights over the project's own byte-level BPE tokenizer.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -70,4 +71,9 @@ def _build(path: Path) -> None:
     model = Transformer(ModelConfig.from_hf(hf))
     random_init(model, SEED)
     save_model(model, tmp, hf)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if not (path / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp)  # another process finished first
