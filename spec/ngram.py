@@ -1,0 +1,126 @@
+"""Prompt-lookup drafting: propose the tokens that followed the last time the
+current suffix appeared in this session's history.
+
+Tool calls copy ids, paths and arguments out of the context, so the most
+recent earlier occurrence of the last few tokens is a cheap, often right,
+guess at what comes next. For each n the drafter keeps an index from n-gram
+to the stack of positions where it ended, so a lookup is O(max_n) whatever
+the history's length, and rolling back a rejected draft pops exactly what
+extending pushed.
+"""
+from __future__ import annotations
+
+
+class NGramDrafter:
+    """Per-session draft source with its own copy of the token history.
+
+    The engine keeps it in step with the session: `extend` with every token
+    the session takes in, `truncate` whenever the session is cut back.
+    `draft_len` adapts to how much of recent drafts was accepted, which the
+    engine reports with `record` after each verify step.
+    """
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, max_k: int = 8, probe_every: int = 16):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.max_n, self.min_n, self.max_k, self.probe_every = max_n, min_n, max_k, probe_every
+        self._tokens: list[int] = []
+        # _ends[n - min_n][gram] = positions e, ascending, with tokens[e - n:e] == gram.
+        self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(min_n, max_n + 1)]
+        # Reads and writes of the n-gram index, so tests and profiles can see
+        # that the cost per token stays flat as the history grows.
+        self.index_ops = 0
+
+        # Start optimistic: agent traffic copies a lot, and a few misses
+        # bring the length down quickly.
+        self._len = max_k
+        self._last_draft_at = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_steps = 0
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._tokens.append(token)
+            end = len(self._tokens)
+            for n, ends in zip(range(self.min_n, self.max_n + 1), self._ends):
+                if n > end:
+                    break
+                ends.setdefault(tuple(self._tokens[end - n : end]), []).append(end)
+                self.index_ops += 1
+
+    def truncate(self, n: int) -> None:
+        """Roll the history back to its first n tokens."""
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot truncate a history of {len(self._tokens)} tokens to {n}")
+        # Ends were pushed in increasing order, so the ones past the cut are
+        # on top of their stacks: pop newest first.
+        for end in range(len(self._tokens), n, -1):
+            for size, ends in zip(range(self.min_n, self.max_n + 1), self._ends):
+                if size > end:
+                    break
+                gram = tuple(self._tokens[end - size : end])
+                stack = ends[gram]
+                stack.pop()
+                if not stack:
+                    del ends[gram]
+                self.index_ops += 1
+        del self._tokens[n:]
+        self._last_draft_at = min(self._last_draft_at, n)
+
+    def propose(self, k: int | None = None) -> list[int]:
+        """Up to k tokens (default `draft_len`) that followed the most recent
+        earlier occurrence of the longest matching suffix; [] if none."""
+        if k is None:
+            k = self.draft_len
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if k == 0:
+            return []
+        end = len(self._tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            stack = self._ends[n - self.min_n].get(tuple(self._tokens[end - n :]))
+            self.index_ops += 1
+            # The top of the stack is the suffix itself.
+            if stack is not None and len(stack) >= 2:
+                start = stack[-2]
+                return self._tokens[start : start + k]
+        return []
+
+    @property
+    def draft_len(self) -> int:
+        """How many tokens to draft next. At 0, every probe_every tokens a
+        one-token probe checks whether the text has started copying again."""
+        if self._len > 0:
+            return self._len
+        return 1 if len(self._tokens) - self._last_draft_at >= self.probe_every else 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Report one verify step: `drafted` tokens proposed, the first
+        `accepted` of them confirmed by the target model."""
+        if not 0 <= accepted <= drafted or drafted < 1:
+            raise ValueError(f"need 0 <= accepted <= drafted and drafted >= 1, got {accepted}/{drafted}")
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        self._last_draft_at = len(self._tokens)
+        if accepted == drafted:
+            # A copied span tends to go on: ramp fast. A draft cut short by the
+            # end of its match says nothing against the current length.
+            self._len = min(self.max_k, max(self._len, 2 * drafted))
+        elif accepted > 0:
+            self._len = min(self.max_k, accepted + 1)
+        else:
+            self._len = min(self._len, drafted) // 2
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per verify step (the bonus token not counted)."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
