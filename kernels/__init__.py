@@ -8,13 +8,30 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import types
 
 import torch
 
 from kernels import reference
 from kernels.metadata import AttnMetadata
 
-__all__ = ["AttnMetadata", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "use_triton"]
+__all__ = ["AttnMetadata", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_drafts", "use_triton"]
+_OPS = frozenset(__all__) - {"AttnMetadata", "use_triton"}
+
+
+class _Package(types.ModuleType):
+    """Importing the Triton module kernels.<op> binds it as the package's
+    attribute <op>, which would replace the dispatcher of the same name for
+    every later caller; the dispatchers keep their names."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _OPS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -47,3 +64,8 @@ def rmsnorm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.T
 def copy_pages(kv, src, dst) -> None:
     impl = _triton("copy_pages", "copy_pages") if use_triton(kv) else reference.copy_pages
     impl(kv, src, dst)
+
+
+def verify_drafts(target, cu_rows, drafts, draft_lens, uniforms=None) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _triton("verify_drafts", "verify_drafts") if use_triton(target) else reference.verify_drafts
+    return impl(target, cu_rows, drafts, draft_lens, uniforms)

@@ -104,3 +104,76 @@ def rmsnorm(
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """kv[:, :, dst[i]] = kv[:, :, src[i]] for every layer, K and V."""
     kv[:, :, dst] = kv[:, :, src]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The first index whose cumulative mass exceeds u times the row's total
+    (fp64, so the CDF never wobbles), or the last index with positive mass
+    when rounding leaves u * total at or past the end."""
+    cdf = probs.double().cumsum(0)
+    idx = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True))
+    if idx < probs.shape[0]:
+        return idx
+    positive = (probs > 0).nonzero()
+    return int(positive[-1]) if len(positive) else 0
+
+
+def verify_drafts(
+    target: torch.Tensor,
+    cu_rows: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_lens: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each sequence's drafts and pick the token after it.
+
+    target [R, V]: sequence i's rows cu_rows[i] .. cu_rows[i+1] (draft_lens[i] + 1
+    of them) are the target's distributions at its draft positions and one
+    beyond. drafts [B, K] int64 (padded), draft_lens [B] int32 in [0, K].
+    Returns num_accepted [B] int32 and next_token [B] int64.
+
+    Greedy (uniforms None, target = logits): accept while argmax(row j) ==
+    drafts[i, j]; next_token = argmax of the first mismatching row (row
+    draft_len if all match); ties go to the lowest index.
+
+    Sampling (uniforms [B, K+1] in [0, 1), target = probabilities): the draft
+    is a point mass, so speculative sampling accepts x = drafts[i, j] iff
+    u_j < p_j(x). On the first rejection the token is drawn from the residual,
+    p_j with x removed and renormalised, by inverse CDF with the rescaled
+    uniform (u_j - p_j(x)) / (1 - p_j(x)), which given the rejection is
+    U[0, 1): the emitted token is distributed exactly as p_j. If every draft
+    is accepted, the token is drawn from row draft_len with u_{draft_len}.
+    Inverse CDF means the first index whose cumulative mass exceeds u times
+    the row's total, as a plain decode step draws its token.
+    """
+    starts = cu_rows.tolist()
+    lens = draft_lens.tolist()
+    best = target.argmax(-1).tolist() if uniforms is None else None
+    num_accepted, next_token = [], []
+    for i, n in enumerate(lens):
+        first = starts[i]
+        if starts[i + 1] - first != n + 1:
+            raise ValueError(f"sequence {i} has {starts[i + 1] - first} rows for {n} drafts")
+        draft = drafts[i, :n].tolist()
+        if best is not None:
+            accepted = next((j for j in range(n) if best[first + j] != draft[j]), n)
+            token = best[first + accepted]
+        else:
+            u = uniforms[i].double().tolist()
+            rows = target[first : first + n + 1]
+            accepted = next((j for j in range(n) if not u[j] < float(rows[j, draft[j]])), n)
+            if accepted < n:
+                x = draft[accepted]
+                p_x = float(rows[accepted, x])
+                residual = rows[accepted].clone()
+                residual[x] = 0.0
+                token = _inverse_cdf(residual, (u[accepted] - p_x) / (1.0 - p_x))
+            else:
+                token = _inverse_cdf(rows[n], u[n])
+        num_accepted.append(accepted)
+        next_token.append(token)
+    device = target.device
+    return (
+        torch.tensor(num_accepted, dtype=torch.int32, device=device),
+        torch.tensor(next_token, dtype=torch.int64, device=device),
+    )
