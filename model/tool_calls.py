@@ -1,0 +1,112 @@
+"""Tool calls in a model's reply, in the two formats chat templates teach.
+
+- hermes (Hermes, Qwen2.5, the embedded default): any number of
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text.
+- llama3_json (Llama 3.1/3.2): the whole reply is `{"name": ..., "parameters": {...}}`,
+  optionally after `<|python_tag|>`, several calls separated by `;`.
+
+A reply is text the model wrote, so nothing here raises: what does not parse
+as a call stays in the text.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+__all__ = ["parse_tool_calls", "detect_tool_call_format", "new_call_id"]
+
+FORMATS = ("hermes", "llama3_json")
+# An unclosed block at the very end still counts: generation often stops on the
+# closing tag or on EOS right before it.
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+_LLAMA3_SEPARATORS = " \t\r\n;"
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _as_call(obj: Any, require_arguments: bool) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = "arguments" if "arguments" in obj else "parameters"
+    if require_arguments and key not in obj:
+        return None
+    arguments = obj.get(key, {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"id": new_call_id(), "name": obj["name"], "arguments": arguments}
+
+
+def _parse_hermes(text: str) -> tuple[str, list[dict]]:
+    calls, kept, pos = [], [], 0
+    for match in _HERMES_BLOCK.finditer(text):
+        try:
+            call = _as_call(json.loads(match.group(1)), require_arguments=False)
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            continue
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(call)
+    if not calls:
+        return text, []
+    kept.append(text[pos:])
+    # The newlines that framed each block go with it.
+    return "\n".join(piece.strip() for piece in kept if piece.strip()), calls
+
+
+def _parse_llama3_json(text: str) -> tuple[str, list[dict]]:
+    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return text, []
+        # Without markers, only an object shaped like a call is one: a reply that
+        # is JSON for the user ({"name": "Ada"}) must stay text.
+        call = _as_call(obj, require_arguments=True)
+        if call is None:
+            return text, []
+        calls.append(call)
+        while pos < len(body) and body[pos] in _LLAMA3_SEPARATORS:
+            pos += 1
+    return "", calls
+
+
+def parse_tool_calls(text: str, fmt: str | None = None) -> tuple[str, list[dict]]:
+    """Split a reply into its text and its tool calls.
+
+    Returns (text outside the calls, [{"id": "call_<24 hex>", "name", "arguments": dict}]).
+    `fmt` is "hermes" or "llama3_json" (see detect_tool_call_format); None tries both.
+    """
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"unknown tool call format {fmt!r}; expected one of {FORMATS}")
+    if fmt in (None, "hermes"):
+        content, calls = _parse_hermes(text)
+        if calls or fmt == "hermes":
+            return content, calls
+    return _parse_llama3_json(text)
+
+
+def detect_tool_call_format(chat_template: str | None) -> str | None:
+    """The format a chat template teaches its model to call tools in, if any."""
+    if not chat_template:
+        return None
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if _PYTHON_TAG in chat_template or ("<|start_header_id|>" in chat_template and '"parameters"' in chat_template):
+        return "llama3_json"
+    return None
