@@ -11,28 +11,59 @@ Layouts (shared with the Triton kernels):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.metadata import AttnMetadata
 
 
-def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Per sequence: the flat cache slots of keys [0, L) and the chunk's mask
-    (None when a plain full attention is exact, i.e. one query and no window)."""
-    plan = []
+def _page_runs(pages: list[int], ps: int, length: int) -> list[tuple[int, int]]:
+    """The slots of keys [0, length) as (first slot, count) runs over
+    consecutive pages, so that each run is a view of the cache, not a copy."""
+    runs: list[tuple[int, int]] = []
+    for i, p in enumerate(pages):
+        n = min(ps, length - i * ps)
+        if runs and runs[-1][0] + runs[-1][1] == p * ps:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((p * ps, n))
+    return runs
+
+
+# Past this many runs, one gather beats many small matmuls.
+MAX_RUNS = 8
+
+
+def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, torch.Tensor | None]]:
+    """Per sequence: where its keys [0, L) lie (a list of slot runs, or a
+    gather index when the pages are too scattered) and the chunk's mask
+    (None when every query sees every key)."""
+    plan: list[tuple[object, torch.Tensor | None]] = []
     device = meta.block_tables.device
     ps = meta.page_size
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         n_pages = (s_len + ps - 1) // ps
-        pages = meta.block_tables[i, :n_pages].to(torch.int64)
-        slots = (pages[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)[:s_len]
-        q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
-        k_pos = torch.arange(s_len, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window > 0:
-            mask = mask & (k_pos > q_pos - sliding_window)
-        plan.append((slots, None if bool(mask.all()) else mask))
+        pages = meta.block_tables[i, :n_pages].tolist()
+        runs = _page_runs(pages, ps, s_len)
+        if len(runs) > MAX_RUNS:
+            index = torch.tensor(pages, dtype=torch.int64, device=device)
+            keys: object = (index[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)[:s_len]
+        else:
+            keys = runs
+        mask = None
+        if q_len > 1 or (sliding_window > 0 and s_len > sliding_window):
+            q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
+            k_pos = torch.arange(s_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window > 0:
+                mask = mask & (k_pos > q_pos - sliding_window)
+        plan.append((keys, mask))
     return plan
+
+
+def _key_views(flat: torch.Tensor, keys: object) -> list[torch.Tensor]:
+    # flat: [P * page_size, Hkv, D] -> pieces [Hkv, n, D] (views for runs)
+    if isinstance(keys, torch.Tensor):
+        return [flat.index_select(0, keys).transpose(0, 1)]
+    return [flat[s : s + n].transpose(0, 1) for s, n in keys]
 
 
 def paged_attention(
@@ -44,21 +75,35 @@ def paged_attention(
     sliding_window: int = 0,
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
-    at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
+    at positions <= position(t) (and > position(t) - sliding_window when > 0).
+    Scores and softmax in float32."""
     plan = meta.torch_plans.get(sliding_window)
     if plan is None:
         plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_q_heads, (num_kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
+    group = num_q_heads // num_kv_heads
     k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     start = 0
-    for q_len, (slots, mask) in zip(meta.query_lens_list, plan):
-        qi = q[start : start + q_len].transpose(0, 1)  # [Hq, Δ, D]
-        ki = k_flat.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-        vi = v_flat.index_select(0, slots).transpose(0, 1)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = oi.transpose(0, 1)
+    for q_len, (keys, mask) in zip(meta.query_lens_list, plan):
+        # The queries of a KV head's group are stacked so K and V are read
+        # once per KV head: [Hkv, G * Δ, D].
+        qi = q[start : start + q_len].view(q_len, num_kv_heads, group, head_dim)
+        qi = qi.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        k_parts, v_parts = _key_views(k_flat, keys), _key_views(v_flat, keys)
+        scores = torch.cat([torch.matmul(qi, k.transpose(1, 2)) for k in k_parts], dim=-1).float() * scale
+        if mask is not None:
+            scores.masked_fill_(~mask.repeat(group, 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        oi, offset = None, 0
+        for v in v_parts:
+            part = torch.matmul(probs[..., offset : offset + v.shape[1]], v)
+            oi = part if oi is None else oi + part
+            offset += v.shape[1]
+        out[start : start + q_len] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+            q_len, num_q_heads, head_dim
+        )
         start += q_len
     return out
 
