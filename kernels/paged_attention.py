@@ -115,8 +115,9 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # fp32 dot operands: fp32 inputs, or the interpreter (broken bf16 dot)
 ):
+    dot_dtype = tl.float32 if UPCAST_DOT else k_cache_ptr.dtype.element_ty
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -143,7 +144,7 @@ def _paged_attention_kernel(
         q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
-    ).to(DOT_DTYPE)
+    ).to(dot_dtype)
 
     # Keys this block can see: from the window start of its first token to its last token.
     first_pos = ctx_len + q_block_local * BLOCK_Q
@@ -173,7 +174,7 @@ def _paged_attention_kernel(
             + offs_d[:, None] * stride_k_dim,
             mask=kv_mask,
             other=0.0,
-        ).to(DOT_DTYPE)
+        ).to(dot_dtype)
         s = tl.dot(q, k_t, input_precision="ieee") * scale_log2
         visible = (
             row_valid[:, None]
@@ -196,8 +197,8 @@ def _paged_attention_kernel(
             + offs_d[None, :] * stride_v_dim,
             mask=key_valid[:, None] & d_valid[None, :],
             other=0.0,
-        ).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        ).to(dot_dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
         m_i = m_new
 
     # An empty split (fewer tiles than splits) stores o = 0 and lse = -inf.
@@ -256,13 +257,7 @@ def _merge_splits_kernel(
     )
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    if dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1":
-        return tl.float32
-    return _TL_DTYPES[dtype]
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _block_m(group: int, max_query_len: int) -> int:
@@ -300,8 +295,8 @@ def paged_attention(
         )
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in _TL_DTYPES:
-        raise ValueError(f"q, k_cache, v_cache must share one of {list(_TL_DTYPES)}, got {q.dtype}, {k_cache.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"q, k_cache, v_cache must share one of {_DTYPES}, got {q.dtype}, {k_cache.dtype}")
     if num_tokens != sum(meta.query_lens_list):
         raise ValueError(f"q has {num_tokens} tokens, the metadata {sum(meta.query_lens_list)}")
     if meta.block_tables.stride(1) != 1:
@@ -363,7 +358,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        DOT_DTYPE=_dot_dtype(q.dtype),
+        UPCAST_DOT=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=8 if block_m >= 128 else 4,
     )
     if num_splits > 1:
