@@ -1,0 +1,73 @@
+"""Shared plumbing of the experiment scripts: model shapes, run folders, output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.default import random_init
+from model.llama import Transformer
+
+# Named model shapes for random-weight benchmarks (Hugging Face config fields).
+SHAPES = {
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_theta=100000.0, rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    "tiny": dict(
+        model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
+    ),
+}
+
+
+def random_model(shape: str, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(SHAPES[shape]), dtype)
+    random_init(model, seed)
+    return model
+
+
+def run_dir(name: str) -> Path:
+    path = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def machine() -> dict:
+    return {
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+    }
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[h for h in headers]] + [[f"{c:.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
