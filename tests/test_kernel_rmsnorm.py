@@ -9,7 +9,7 @@ from kernels.rmsnorm import rmsnorm
 
 SHAPES = [(1, 16), (7, 100), (5, 4096), (2, 3, 24)]
 # fp32 differs by summation order only; bf16/fp16 may round one element the other way.
-DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 1.6e-2), (torch.float16, 1e-3, 1e-3)]
+DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 1.6e-2), (torch.float16, 2e-3, 2e-3)]
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])

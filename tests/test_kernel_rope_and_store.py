@@ -16,7 +16,7 @@ CASES = [
     ("p8-d24-heads6x3", 8, (6, 3), 24, [(11, 5), (1, 0), (2, 14)]),
 ]
 # fp32 differs only where a GPU fuses the rotation into an FMA; bf16/fp16 by one rounding.
-DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 1.6e-2), (torch.float16, 1e-3, 1e-3)]
+DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1.6e-2, 1.6e-2), (torch.float16, 2e-3, 2e-3)]
 MAX_POS = 128
 
 

@@ -1,0 +1,1 @@
+"""Trace hooks: NVTX ranges for Nsight, and the prepared GPU check."""
