@@ -197,7 +197,8 @@ class Session:
         with self._busy():
             self.table.release()
             self.table, other.table = other.table, BlockTable(self.engine.pool)
-            self._tokens, self._last_logits = other._tokens, other._last_logits
+            self._tokens, other._tokens = other._tokens, []
+            self._last_logits = other._last_logits
             self.turn = other.turn
             other.close()
 

@@ -11,6 +11,7 @@ Layouts (shared with the Triton kernels):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.metadata import AttnMetadata
 
@@ -34,8 +35,8 @@ MAX_RUNS = 8
 
 def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, torch.Tensor | None]]:
     """Per sequence: where its keys [0, L) lie (a list of slot runs, or a
-    gather index when the pages are too scattered) and the chunk's mask
-    (None when every query sees every key)."""
+    gather index when the pages are too scattered) and the chunk's mask,
+    boolean [Δ, L] (None when every query sees every key)."""
     plan: list[tuple[object, torch.Tensor | None]] = []
     device = meta.block_tables.device
     ps = meta.page_size
@@ -66,6 +67,22 @@ def _key_views(flat: torch.Tensor, keys: object) -> list[torch.Tensor]:
     return [flat[s : s + n].transpose(0, 1) for s, n in keys]
 
 
+def _decode_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query per head over keys in several pieces, without joining them:
+    scores of all pieces side by side, one softmax, outputs summed by piece."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_parts[0].shape[0]
+    qg = q.view(num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [Hkv, G, D]
+    scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)) for k in k_parts], dim=-1).float() * scale
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out, offset = None, 0
+    for v in v_parts:
+        part = torch.matmul(probs[..., offset : offset + v.shape[1]], v)
+        out = part if out is None else out + part
+        offset += v.shape[1]
+    return out.reshape(1, num_q_heads, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -75,35 +92,27 @@ def paged_attention(
     sliding_window: int = 0,
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
-    at positions <= position(t) (and > position(t) - sliding_window when > 0).
-    Scores and softmax in float32."""
+    at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
     plan = meta.torch_plans.get(sliding_window)
     if plan is None:
         plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
-    num_q_heads, (num_kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
-    group = num_q_heads // num_kv_heads
+    num_kv_heads, head_dim = k_cache.shape[2:]
     k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     start = 0
     for q_len, (keys, mask) in zip(meta.query_lens_list, plan):
-        # The queries of a KV head's group are stacked so K and V are read
-        # once per KV head: [Hkv, G * Δ, D].
-        qi = q[start : start + q_len].view(q_len, num_kv_heads, group, head_dim)
-        qi = qi.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        qi = q[start : start + q_len]
         k_parts, v_parts = _key_views(k_flat, keys), _key_views(v_flat, keys)
-        scores = torch.cat([torch.matmul(qi, k.transpose(1, 2)) for k in k_parts], dim=-1).float() * scale
-        if mask is not None:
-            scores.masked_fill_(~mask.repeat(group, 1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        oi, offset = None, 0
-        for v in v_parts:
-            part = torch.matmul(probs[..., offset : offset + v.shape[1]], v)
-            oi = part if oi is None else oi + part
-            offset += v.shape[1]
-        out[start : start + q_len] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-            q_len, num_q_heads, head_dim
-        )
+        if mask is None and q_len == 1:
+            out[start] = _decode_over_runs(qi, k_parts, v_parts, scale)[0]
+        else:
+            k = k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, dim=1)
+            v = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts, dim=1)
+            oi = F.scaled_dot_product_attention(
+                qi.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[start : start + q_len] = oi[0].transpose(0, 1)
         start += q_len
     return out
 
