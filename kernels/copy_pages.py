@@ -11,7 +11,8 @@ elements. Program (i, l * 2 + c, chunk) copies BLOCK elements of that run.
 dst pages must be distinct and disjoint from src pages (copy-on-write copies
 into fresh pages): the copies run concurrently.
 
-Tested with triton 3.9 (interpreter) and triton 3.6 (H200).
+Tested with triton 3.9 (interpreter); written for triton 3.6 on an H200,
+where profiling/gpu_check.py runs the same tests.
 """
 from __future__ import annotations
 

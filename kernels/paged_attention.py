@@ -35,7 +35,8 @@ dtype as in flash-attention); fp32 inputs, and every input under the
 interpreter (whose bf16 dot is broken), are upcast to fp32 and multiplied with
 input_precision="ieee", so fp32 is not silently TF32.
 
-Tested with triton 3.9 (interpreter, fp32) and triton 3.6 (H200).
+Tested with triton 3.9 (interpreter, fp32); written for triton 3.6 on an H200,
+where profiling/gpu_check.py runs the same tests.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ Layouts:
   k_cache, v_cache [P, PAGE_SIZE, Hkv, D] any strides
 One program per token handles all its heads.
 
-Tested with triton 3.9 (interpreter, fp32) and triton 3.6 (H200).
+Tested with triton 3.9 (interpreter, fp32); written for triton 3.6 on an H200,
+where profiling/gpu_check.py runs the same tests.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ uniforms [B, K+1] fp32. One program per sequence walks its rows in order
 and stops at the first rejection; each row is read in BLOCK_V chunks, so V
 of 150k costs a few dozen iterations and no extra memory.
 
-Tested with triton 3.9 (interpreter) and triton 3.6 (H200).
+Tested with triton 3.9 (interpreter); written for triton 3.6 on an H200,
+where profiling/gpu_check.py runs the same tests.
 """
 from __future__ import annotations
 
