@@ -18,7 +18,7 @@ from model.llama import Transformer
 from model.loader import save_model
 from model.tokenizer import Tokenizer
 
-VERSION = "random-v1"
+VERSION = "random-v2"
 SEED = 1234
 
 
@@ -52,6 +52,8 @@ def random_init(model: Transformer, seed: int) -> None:
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.data.copy_(model.embed.data.t())
 
 
 def default_model_dir() -> Path:

@@ -32,10 +32,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
-    """Our parameter name -> the HF tensor names concatenated (dim 0) into it."""
-    src = {"embed": ["model.embed_tokens.weight"], "norm": ["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        src["lm_head"] = ["lm_head.weight"]
+    """Our parameter name -> the HF tensor names concatenated (dim 0) into it.
+    HF stores projections [out, in]; ours are [in, out] (transposed on the way)."""
+    src = {
+        "embed": ["model.embed_tokens.weight"],
+        "norm": ["model.norm.weight"],
+        "lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
+    }
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         src[ours + "attn_norm"] = [hf + "input_layernorm.weight"]
@@ -52,6 +55,10 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
             src[ours + "mlp.gate_up_bias"] = [hf + "mlp.gate_proj.bias", hf + "mlp.up_proj.bias"]
             src[ours + "mlp.down_bias"] = [hf + "mlp.down_proj.bias"]
     return src
+
+
+def _transposed(ours: str) -> bool:
+    return ours == "lm_head" or ours.endswith("_weight")
 
 
 def _shard_files(path: Path) -> dict[str, Path]:
@@ -86,6 +93,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 tensors[name] = f.get_tensor(name)
     for ours, names in _hf_sources(cfg).items():
         value = torch.cat([tensors[n] for n in names], dim=0)
+        if _transposed(ours):
+            value = value.t()
         if value.shape != params[ours].shape:
             raise ModelLoadError(
                 f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
@@ -106,7 +115,10 @@ def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
     }
     out = {}
     for ours, names in _hf_sources(cfg).items():
-        parts = params[ours].data.split(sizes["qkv" if "qkv" in ours else "gate_up"], dim=0) if len(names) > 1 else [params[ours].data]
+        if ours == "lm_head" and cfg.tie_word_embeddings:
+            continue
+        value = params[ours].data.t() if _transposed(ours) else params[ours].data
+        parts = value.split(sizes["qkv" if "qkv" in ours else "gate_up"], dim=0) if len(names) > 1 else [value]
         for name, part in zip(names, parts):
             out[name] = part.contiguous().clone()
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
