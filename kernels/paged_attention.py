@@ -261,10 +261,15 @@ def _merge_splits_kernel(
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _block_m(group: int, max_query_len: int) -> int:
-    """Rows per program: enough to hold a verify chunk's tokens times the group
-    so that short chunks read their KV once, at most 128 (prefill tiles)."""
-    return max(16, triton.next_power_of_2(group), min(128, triton.next_power_of_2(max_query_len * group)))
+def _tile_sizes(group: int, max_query_len: int, head_dim_pad: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N). Rows: enough for a verify chunk's tokens times the
+    group, so short chunks read their KV once, up to prefill tiles of 128
+    (64 for fp32, whose pipelined K/V tiles would overflow shared memory).
+    Keys: 64 a tile, 32 when a key's row exceeds 256 bytes."""
+    max_rows = 128 if element_size <= 2 else 64
+    block_m = max(16, triton.next_power_of_2(group), min(max_rows, triton.next_power_of_2(max_query_len * group)))
+    block_n = 64 if head_dim_pad * element_size <= 256 else 32
+    return block_m, block_n
 
 
 def _num_splits(num_programs: int, max_seq_len: int) -> int:
@@ -304,10 +309,9 @@ def paged_attention(
         raise ValueError("block_tables rows must be contiguous")
 
     group = num_q_heads // num_kv_heads
-    block_m = _block_m(group, meta.max_query_len)
-    block_q = block_m // group
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if head_dim_pad <= 128 else 32
+    block_m, block_n = _tile_sizes(group, meta.max_query_len, head_dim_pad, q.element_size())
+    block_q = block_m // group
     if num_splits is None:
         active_blocks = sum(triton.cdiv(n, block_q) for n in meta.query_lens_list)
         num_splits = _num_splits(active_blocks * num_kv_heads, meta.max_seq_len)

@@ -142,7 +142,7 @@ def sdpa_fn(q, k, v, delta: int, scale: float, expand: bool) -> Callable[[], tor
 
 
 def bench_attention_case(batch: int, delta: int, cached: int) -> dict:
-    from kernels.paged_attention import _block_m, _num_splits, paged_attention
+    from kernels.paged_attention import _num_splits, _tile_sizes, paged_attention
 
     heads, head_dim = (32, 8), 128
     seq_len = cached + delta
@@ -156,7 +156,7 @@ def bench_attention_case(batch: int, delta: int, cached: int) -> dict:
     q, k_cache, v_cache, meta, q_s, k_s, v_s = attention_case(batch, delta, cached)
     scale = head_dim**-0.5
     group = heads[0] // heads[1]
-    block_q = _block_m(group, delta) // group
+    block_q = _tile_sizes(group, delta, head_dim, 2)[0] // group
     row["num_splits"] = _num_splits(batch * math.ceil(delta / block_q) * heads[1], seq_len)
 
     ours = lambda: paged_attention(q, k_cache, v_cache, meta, scale)  # noqa: E731

@@ -6,7 +6,7 @@ import torch
 
 from kernels import reference
 from kernels.metadata import AttnMetadata
-from kernels.paged_attention import _block_m, _num_splits, paged_attention
+from kernels.paged_attention import _num_splits, _tile_sizes, paged_attention
 
 # (id, page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window)
 # Each batch mixes decode (Δ=1), empty caches, caches shorter than a page, chunks
@@ -110,11 +110,14 @@ def test_heuristic_splits_long_decode(window, device):
     check(("long-decode", 16, (4, 1), 32, spec, window), FP32, None, device)
 
 
-def test_prefill_uses_unsplit_tiles():
-    """Many programs (a long prefill) fill a GPU without splitting."""
+def test_tile_sizes():
+    """Prefill takes big unsplit tiles; decode the smallest tl.dot allows; fp32
+    tiles stay small enough to pipeline in shared memory."""
     assert _num_splits(num_programs=4096, max_seq_len=32768) == 1
-    assert _block_m(group=4, max_query_len=1024) == 128
-    assert _block_m(group=4, max_query_len=1) == 16
+    assert _tile_sizes(group=4, max_query_len=1024, head_dim_pad=128, element_size=2) == (128, 64)
+    assert _tile_sizes(group=4, max_query_len=1, head_dim_pad=128, element_size=2) == (16, 64)
+    assert _tile_sizes(group=4, max_query_len=5, head_dim_pad=128, element_size=2) == (32, 64)
+    assert _tile_sizes(group=4, max_query_len=1024, head_dim_pad=128, element_size=4) == (64, 32)
 
 
 def test_rejects_mismatched_shapes(device):
