@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from kernels import reference
 from kernels.verify_drafts import verify_drafts
@@ -135,11 +134,15 @@ def test_reference_first_token_has_target_distribution():
     p = torch.tensor([0.1, 0.35, 0.05, 0.3, 0.2])
     probs = p.repeat(trials * (k + 1), 1)
     cu_rows = torch.arange(0, trials * (k + 1) + 1, k + 1, dtype=torch.int32)
-    drafts = torch.randint(vocab, (trials, k), generator=g)
+    # Skewed drafts: under uniformly random drafts even the naive rule (redraw
+    # from p on rejection) would come out unbiased and pass.
+    drafts = torch.where(torch.rand(trials, k, generator=g) < 0.7, 1, 2)
     uniforms = torch.rand(trials, k + 1, generator=g)
     num_accepted, next_token = reference.verify_drafts(
         probs, cu_rows, drafts, torch.full((trials,), k, dtype=torch.int32), uniforms
     )
     first = torch.where(num_accepted > 0, drafts[:, 0], next_token)
     observed = torch.bincount(first, minlength=vocab).double()
-    assert chisquare(observed.numpy(), (p.double() * trials).numpy()).pvalue > 1e-3
+    expected = p.double() * trials
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47, chi2  # the 0.999 quantile of chi-square with vocab - 1 = 4 dof
