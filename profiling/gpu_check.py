@@ -390,7 +390,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/gpu_check")
     parser.add_argument("--test-timeout", type=int, default=240)
     args = parser.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA device")
