@@ -10,6 +10,7 @@ import torch
 from cache.pool import PagePool
 from engine.errors import InvalidRequestError
 from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
 from engine.session import Session
 from engine.stats import TurnStats
 from model.config import ModelConfig
@@ -64,6 +65,7 @@ class Engine:
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
         self.stats: list[TurnStats] = []
+        self.scheduler = Scheduler(self)
 
     @classmethod
     def from_pretrained(
@@ -109,7 +111,7 @@ class Engine:
         try:
             reused = 0 if self.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
             work.truncate(reused)
-            work.append(prompt[reused:])
+            work.queue(prompt[reused:])
             work.turn.prompt_tokens, work.turn.reused_tokens = len(prompt), reused
             ids = work.generate(max_tokens=max_tokens, **sampling)
         except BaseException:

@@ -18,7 +18,9 @@ from cache.block_table import BlockTable
 from engine.errors import ContextLengthError, InvalidRequestError, SessionBusyError, SessionClosedError
 from engine.runner import StepItem
 from engine.stats import TurnStats
-from model.sampler import SamplingParams, make_generator, sample
+from engine.scheduler import Request
+from model.sampler import SamplingParams
+from spec.ngram import NGramDrafter
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -31,6 +33,7 @@ class Session:
         self.table = table if table is not None else BlockTable(engine.pool)
         self._tokens: list[int] = list(tokens)
         self._last_logits: torch.Tensor | None = None  # valid while every token's KV is held
+        self._drafter: NGramDrafter | None = None
         self._lock = threading.Lock()
         self._closed = False
         self.turn = TurnStats()
@@ -95,16 +98,14 @@ class Session:
             self.turn.prefill_s += time.perf_counter() - start
             return logits[-len(ids) :] if all_logits else logits[-1]
 
-    def _next_logits(self) -> torch.Tensor:
-        if self._last_logits is not None and self.table.length == len(self._tokens):
-            return self._last_logits
-        if not self._tokens:
-            raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
-        if self.table.length == len(self._tokens):
-            # Logits are not kept across truncate/fork: recompute the last token.
-            self.table.truncate(len(self._tokens) - 1)
-        self.turn.computed_tokens += len(self._tokens) - self.table.length
-        return self._compute([])[-1]
+    def queue(self, token_ids: Iterable[int]) -> None:
+        """Hold these tokens without computing them yet: the next generate
+        computes them in its first step (chunked, batched with other work)
+        and draws the first token from their last logits."""
+        with self._busy():
+            ids = self._check_tokens(token_ids)
+            self._tokens.extend(ids)
+            self._last_logits = None
 
     def generate(
         self,
@@ -117,11 +118,14 @@ class Session:
         stop: str | Iterable[str] = (),
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
+        speculative: bool = True,
     ) -> list[int]:
         """Decode up to max_tokens new tokens; they stay in the session. Stops
         after EOS (unless ignore_eos), a stop token id, or once the text ends
-        with a stop string (the completing token is kept). On error the
-        session is as it was before the call."""
+        with a stop string (the completing token is kept). With speculative,
+        prompt-lookup drafts from the session's history are verified k+1
+        tokens per forward (greedy output is identical; sampling keeps the
+        model's distribution). On error the session is as it was before."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
@@ -129,54 +133,35 @@ class Session:
         if params.stop and self.engine.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
         with self._busy():
+            if not self._tokens:
+                raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
             self._check_length(len(self._tokens) + 1)
-            before = len(self._tokens)
-            try:
-                out = self._decode(params)
-            except BaseException:
-                self._rollback(before)
-                raise
+            out = self.engine.scheduler.run(Request(self, params, speculative))
             self.engine.finish_turn(self)
             return out
 
-    def _decode(self, params: SamplingParams) -> list[int]:
-        start = time.perf_counter()
-        logits = self._next_logits()
-        self.turn.prefill_s += time.perf_counter() - start
-        start = time.perf_counter()
-        generator = None if params.greedy else make_generator(params.seed)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids.update(self.engine.eos_token_ids)
-        out: list[int] = []
-        while True:
-            token = int(sample(logits[None], params, [generator] if generator else None)[0])
-            out.append(token)
-            self._tokens.append(token)
-            self._last_logits = None
-            if (
-                token in stop_ids
-                or len(out) >= params.max_tokens
-                or len(self._tokens) >= self.engine.max_context
-                or (params.stop and self._ends_with_stop(out, params.stop))
-            ):
-                break
-            logits = self._compute([])[-1]
-            self.turn.decode_steps += 1
-        self.turn.generated_tokens += len(out)
-        self.turn.decode_s += time.perf_counter() - start
-        return out
+    def drafter(self) -> NGramDrafter:
+        """The prompt-lookup drafter over this session's tokens, brought up to date."""
+        if self._drafter is None:
+            self._drafter = NGramDrafter()
+        self._drafter.extend(self._tokens[len(self._drafter) :])
+        return self._drafter
 
-    def _ends_with_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
+    def ends_with_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
         # Only the tail can newly contain a stop string: decode a window long
         # enough for the longest one.
         tail = self.engine.tokenizer.decode(out[-(max(map(len, stops)) + 8) :])
         return any(s in tail for s in stops)
 
+    def _invalidate_logits(self) -> None:
+        self._last_logits = None
+
     def _rollback(self, n: int) -> None:
         del self._tokens[n:]
         self.table.truncate(min(n, self.table.length))
         self._last_logits = None
+        if self._drafter is not None and len(self._drafter) > n:
+            self._drafter.truncate(n)
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens; pages wholly past them are released."""
@@ -198,6 +183,7 @@ class Session:
             self.table.release()
             self.table, other.table = other.table, BlockTable(self.engine.pool)
             self._tokens, other._tokens = other._tokens, []
+            self._drafter, other._drafter = other._drafter, None
             self._last_logits = other._last_logits
             self.turn = other.turn
             other.close()

@@ -13,6 +13,8 @@ class TurnStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    drafted_tokens: int = 0  # speculation: draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted
 
     @property
     def total_s(self) -> float:

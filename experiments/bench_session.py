@@ -30,7 +30,7 @@ def timed_turn(engine: Engine, session, new: list[int], gen: int) -> tuple[float
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model = random_model(args.shape, getattr(torch, args.dtype))
+    model = random_model(args.shape, getattr(torch, args.dtype), device=args.device)
     vocab = model.cfg.vocab_size
     engine = Engine(model, None, page_size=args.page_size, kv_cache_bytes=args.kv_gb << 30)
     rng = random.Random(args.seed)
@@ -75,7 +75,7 @@ def run(args) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -87,7 +87,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-gb", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
     out = run_dir("bench_session")
     res = run(args)
     rows = [[r["turn"], r["prompt"], r["computed"], r["stateful_ms"], r["stateless_ms"], f"{r['speedup']:.2f}x"] for r in res["turns"]]

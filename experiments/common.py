@@ -34,8 +34,8 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    model = Transformer(ModelConfig.from_hf(SHAPES[shape]), dtype)
+def random_model(shape: str, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> Transformer:
+    model = Transformer(ModelConfig.from_hf(SHAPES[shape]), dtype, device)
     random_init(model, seed)
     return model
 

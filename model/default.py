@@ -51,7 +51,7 @@ def random_init(model: Transformer, seed: int) -> None:
         if name.endswith("norm"):
             p.data.fill_(1.0)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)  # drawn on the CPU: same weights on any device
     if model.cfg.tie_word_embeddings:
         model.lm_head.data.copy_(model.embed.data.t())
 

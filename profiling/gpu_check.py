@@ -335,6 +335,40 @@ def micro_verify() -> list[dict]:
 # ------------------------------------------------------------ report
 
 
+# ---------------------------------------------------------------- (d) engine
+
+
+def run_engine(out: Path) -> dict:
+    """The engine end to end on CUDA (Triton path): the same greedy tokens as
+    the CPU torch path on the same fp32 weights, then the 12-turn stateful vs
+    stateless benchmark on SmolLM2-135M's shape in bf16."""
+    from engine import Engine
+    from experiments import bench_session
+    from experiments.common import random_model
+
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(random_model("tiny", torch.float32, seed=5, device=device), None, page_size=16, num_pages=64)
+        with engine.session() as s:
+            s.append(list(range(3, 300)))
+            out_ids = s.generate(max_tokens=24, ignore_eos=True, speculative=False)
+            s.append(list(range(40, 90)))
+            out_ids += s.generate(max_tokens=24, ignore_eos=True, speculative=True)
+        tokens[device] = out_ids
+    result = {"greedy_tokens_identical": tokens["cpu"] == tokens["cuda"], "tokens": tokens}
+    log(f"engine: tokens identical cpu/cuda: {result['greedy_tokens_identical']}")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench_session.main(["--device", "cuda", "--dtype", "bfloat16", "--repeats", "2", "--kv-gb", "4"])
+    (out / "bench_session.txt").write_text(buf.getvalue())
+    result["bench_session"] = buf.getvalue()
+    log(buf.getvalue())
+    return result
+
+
 def markdown(results: dict) -> str:
     lines = [f"# GPU check ({results.get('device', '?')})", ""]
     tests = results.get("tests", {})
@@ -382,6 +416,14 @@ def markdown(results: dict) -> str:
                 f"| {op} | {case} | {r['triton']['ms'] * 1e3:.1f} | {r['triton']['gbps']:.0f} | "
                 f"{r['torch']['ms'] * 1e3:.1f} | {r['speedup']:.2f} |"
             )
+    engine = results.get("engine", {})
+    if engine:
+        lines += ["", "## Engine on CUDA", ""]
+        if "error" in engine:
+            lines += ["```", str(engine["error"]), "```"]
+        else:
+            lines += [f"greedy tokens identical to the CPU torch path: {engine['greedy_tokens_identical']}", "",
+                      "```", engine["bench_session"].strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -413,6 +455,8 @@ def main() -> None:
     guarded(results, "attention", run_attention)
     save()
     guarded(results, "micro", run_micro)
+    save()
+    guarded(results, "engine", lambda: run_engine(out))
     save()
     log(f"wrote {out / 'results.json'} and {out / 'results.md'}")
 

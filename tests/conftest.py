@@ -3,6 +3,9 @@ import os
 import torch
 
 # The Triton interpreter must be chosen before triton is first imported.
+# Tests run tiny shapes: one thread avoids OpenMP hand-offs that cost more
+# than the ops themselves (and stall badly when the cores are shared).
+torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
