@@ -277,7 +277,10 @@ def _num_splits(num_programs: int, max_seq_len: int) -> int:
     context is long enough for each split to stream a useful share."""
     if num_programs >= _TARGET_PROGRAMS:
         return 1
-    return max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, num_programs), max_seq_len // _MIN_KEYS_PER_SPLIT))
+    splits = max(1, min(_MAX_SPLITS, triton.cdiv(_TARGET_PROGRAMS, num_programs), max_seq_len // _MIN_KEYS_PER_SPLIT))
+    # A power of two: NUM_SPLITS is a constexpr, and a growing conversation
+    # must not compile a new kernel variant at every length.
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_attention(
