@@ -1,6 +1,7 @@
 """The engine: a model, its page pool, its tokenizer, and the sessions on them."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -65,6 +66,9 @@ class Engine:
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
         self.stats: list[TurnStats] = []
+        # Guards the pool, the block tables and the model: held by each
+        # scheduler step and by each session call that touches pages.
+        self.lock = threading.RLock()
         self.scheduler = Scheduler(self)
 
     @classmethod

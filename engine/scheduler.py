@@ -54,8 +54,44 @@ class Scheduler:
         self.token_budget = token_budget
         self.active: list[Request] = []
         self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Step in a background thread, so that requests from many threads
+        (a server's handlers) share each forward."""
+        if self.serving:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="agentkv-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.active:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            self.step()
 
     def submit(self, req: Request) -> None:
+        with self.engine.lock:
+            self._submit(req)
+        self._wake.set()
+
+    def _submit(self, req: Request) -> None:
         s = req.session
         req.start_len = len(s._tokens)
         req.generator = None if req.params.greedy else make_generator(req.params.seed)
@@ -76,6 +112,8 @@ class Scheduler:
     def run(self, req: Request) -> list[int]:
         """Drive steps until req is done; re-raise its error."""
         self.submit(req)
+        if self.serving:
+            req.done.wait()
         while not req.done.is_set():
             self.step()
         if req.error is not None:
@@ -83,6 +121,10 @@ class Scheduler:
         return req.output
 
     def step(self) -> None:
+        with self.engine.lock:
+            self._step()
+
+    def _step(self) -> None:
         with self._lock:
             batch = list(self.active)
         for req in batch:

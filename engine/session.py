@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -50,13 +50,19 @@ class Session:
         return self._closed
 
     @contextmanager
-    def _busy(self) -> Iterator[None]:
+    def _busy(self, hold_engine: bool = True) -> Iterator[None]:
+        """One call at a time per session; with hold_engine, also exclusive
+        use of the engine's pages and model for the call's duration."""
         if not self._lock.acquire(blocking=False):
             raise SessionBusyError("the session already has a request in flight")
         try:
             if self._closed:
                 raise SessionClosedError("the session is closed")
-            yield
+            if hold_engine:
+                with self.engine.lock:
+                    yield
+            else:
+                yield
         finally:
             self._lock.release()
 
@@ -119,24 +125,28 @@ class Session:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         speculative: bool = True,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> list[int]:
         """Decode up to max_tokens new tokens; they stay in the session. Stops
         after EOS (unless ignore_eos), a stop token id, or once the text ends
         with a stop string (the completing token is kept). With speculative,
         prompt-lookup drafts from the session's history are verified k+1
         tokens per forward (greedy output is identical; sampling keeps the
-        model's distribution). On error the session is as it was before."""
+        model's distribution). on_tokens, if given, is called with each step's
+        new tokens (streaming). On error the session is as it was before."""
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         )
         if params.stop and self.engine.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
-        with self._busy():
+        # The scheduler takes the engine lock step by step, so that other
+        # sessions' requests batch with this one meanwhile.
+        with self._busy(hold_engine=False):
             if not self._tokens:
                 raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
             self._check_length(len(self._tokens) + 1)
-            out = self.engine.scheduler.run(Request(self, params, speculative))
+            out = self.engine.scheduler.run(Request(self, params, speculative, on_tokens))
             self.engine.finish_turn(self)
             return out
 
@@ -191,7 +201,7 @@ class Session:
     def close(self) -> None:
         if self._closed:
             return
-        with self._lock:
+        with self._lock, self.engine.lock:
             self.table.release()
             self._tokens.clear()
             self._last_logits = None
