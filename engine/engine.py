@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -9,6 +11,7 @@ from typing import Iterable
 import torch
 
 from cache.pool import PagePool
+from cache.radix import RadixCache
 from engine.errors import InvalidRequestError
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -51,6 +54,8 @@ class Engine:
         num_pages: int | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         stateless: bool = False,
+        prefix_cache: bool = True,
+        pin_ttl: float | None = 300.0,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -60,8 +65,11 @@ class Engine:
                 kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, model.dtype
             )
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, self._make_room)
         self.stateless = stateless
+        self.radix = RadixCache(self.pool) if prefix_cache and not stateless else None
+        self.pin_ttl = pin_ttl
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
@@ -86,8 +94,34 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tokenizer, **kwargs)
 
-    def session(self, namespace: str = "default") -> Session:
-        return Session(self, namespace)
+    def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *args) -> Session:
+        """A persistent conversation in namespace (a tenant's cache salt: no
+        KV is shared across namespaces). pin_ttl: seconds its pages stay
+        pinned while idle (None: always), default the engine's."""
+        s = Session(self, namespace, *args, pin_ttl=self.pin_ttl if pin_ttl == "default" else pin_ttl)
+        self._sessions.add(s)
+        return s
+
+    def _make_room(self, pages: int) -> None:
+        """Free pages under memory pressure: first cached prefixes nobody
+        uses (least recently used first), then the pages of sessions idle
+        past their pin time-to-live (longest idle first; they stay matchable)."""
+        target = self.pool.num_free + pages
+        if self.radix is not None:
+            self.radix.evict(pages)
+        now = time.monotonic()
+        for s in sorted((s for s in list(self._sessions) if s.expired(now)), key=lambda s: s.idle_since):
+            if self.pool.num_free >= target:
+                return
+            s.park()
+            if self.radix is not None:
+                self.radix.evict(target - self.pool.num_free)
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters and page usage."""
+        stats = self.radix.stats() if self.radix is not None else {}
+        return {**stats, "pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
+                "pages_pinned": sum(len(s.table.pages) for s in list(self._sessions) if not s.closed)}
 
     def finish_turn(self, session: Session) -> None:
         self.stats.append(session.turn)
@@ -116,6 +150,9 @@ class Engine:
             reused = 0 if self.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
             work.truncate(reused)
             work.queue(prompt[reused:])
+            # What is reused is the KV held now: the common prefix, or a
+            # prefix-cache match for a session that held none.
+            reused = work.table.length
             work.turn.prompt_tokens, work.turn.reused_tokens = len(prompt), reused
             ids = work.generate(max_tokens=max_tokens, **sampling)
         except BaseException:

@@ -27,9 +27,22 @@ if TYPE_CHECKING:
 
 
 class Session:
-    def __init__(self, engine: "Engine", namespace: str = "default", table: BlockTable | None = None, tokens: Iterable[int] = ()):
+    def __init__(
+        self,
+        engine: "Engine",
+        namespace: str = "default",
+        table: BlockTable | None = None,
+        tokens: Iterable[int] = (),
+        pin_ttl: float | None = None,
+    ):
         self.engine = engine
         self.namespace = namespace
+        # Seconds an idle session keeps its pages pinned; after that, under
+        # memory pressure, they may be released (parked) and later re-matched
+        # from the prefix cache. None pins for the session's whole life.
+        self.pin_ttl = pin_ttl
+        self.idle_since = time.monotonic()
+        self._parked = False
         self.table = table if table is not None else BlockTable(engine.pool)
         self._tokens: list[int] = list(tokens)
         self._last_logits: torch.Tensor | None = None  # valid while every token's KV is held
@@ -60,11 +73,60 @@ class Session:
                 raise SessionClosedError("the session is closed")
             if hold_engine:
                 with self.engine.lock:
+                    self.ensure_resident()
                     yield
             else:
                 yield
         finally:
+            self.idle_since = time.monotonic()
             self._lock.release()
+
+    def ensure_resident(self) -> None:
+        """Bring a parked session's KV back: the cached prefix of its tokens
+        from the prefix cache; the rest is recomputed by its next step.
+        Called with the engine lock held."""
+        if self._parked:
+            self._parked = False
+            self.table = BlockTable(self.engine.pool)
+            self._reuse_prefix(self._tokens, len(self._tokens))
+
+    def _reuse_prefix(self, tokens: list[int], limit: int) -> None:
+        """A session holding no KV starts from the longest cached prefix of
+        tokens (at most limit tokens of it)."""
+        radix = self.engine.radix
+        if radix is None or self.table.length or not tokens or limit < 1:
+            return
+        length, pages = radix.match(tokens, self.namespace)
+        length = min(length, limit)
+        keep = -(-length // self.engine.pool.page_size)
+        self.engine.pool.decref(pages[keep:])
+        self.table.release()
+        self.table = BlockTable(self.engine.pool, pages[:keep], length)
+
+    def publish(self) -> None:
+        """Offer this session's computed tokens to the prefix cache, so that
+        other sessions (and this one, once parked) can start from them."""
+        radix, n = self.engine.radix, self.table.length
+        if radix is not None and n:
+            radix.insert(self._tokens[:n], self.table.pages[: -(-n // self.engine.pool.page_size)], self.namespace)
+
+    def expired(self, now: float) -> bool:
+        """Idle past its pin time-to-live, with pages that could be released."""
+        return (
+            self.pin_ttl is not None
+            and not self._closed
+            and not self._lock.locked()
+            and now - self.idle_since >= self.pin_ttl
+            and bool(self.table.pages)
+        )
+
+    def park(self) -> None:
+        """Publish and release this idle session's pages; its tokens stay, and
+        its next call re-matches them from the prefix cache."""
+        self.publish()
+        self.table.release()
+        self._last_logits = None
+        self._parked = True
 
     def _check_tokens(self, token_ids: Iterable[int]) -> list[int]:
         ids = list(token_ids)
@@ -85,7 +147,10 @@ class Session:
     def _compute(self, new: list[int], num_logits: int = 1) -> torch.Tensor:
         """Compute the KV of held-but-pending tokens plus `new`; on success the
         tokens are held. Returns the logits of the last num_logits tokens."""
-        chunk = self._tokens[self.table.length :] + new
+        held = self.table.length
+        # The KV held may reach into `new` (a prefix-cache match), or stop
+        # short of the tokens already held (pending ones).
+        chunk = self._tokens[held:] + new if held <= len(self._tokens) else new[held - len(self._tokens) :]
         logits = self.engine.runner.step([StepItem(self.table, chunk, min(num_logits, len(chunk)))])[0]
         self._tokens.extend(new)
         self._last_logits = logits[-1]
@@ -98,9 +163,14 @@ class Session:
         with self._busy():
             ids = self._check_tokens(token_ids)
             start = time.perf_counter()
-            pending = len(self._tokens) - self.table.length
+            # Logits are wanted for the last new token, or with all_logits
+            # for every one: a cached prefix is reused no further than that.
+            self._reuse_prefix(self._tokens + ids, len(self._tokens) + (0 if all_logits else len(ids) - 1))
+            if not self.turn.computed_tokens:
+                self.turn.reused_tokens = self.table.length
+            computed = len(self._tokens) + len(ids) - self.table.length
             logits = self._compute(ids, len(ids) if all_logits else 1)
-            self.turn.computed_tokens += len(ids) + pending
+            self.turn.computed_tokens += computed
             self.turn.prefill_s += time.perf_counter() - start
             return logits[-len(ids) :] if all_logits else logits[-1]
 
@@ -110,6 +180,7 @@ class Session:
         and draws the first token from their last logits."""
         with self._busy():
             ids = self._check_tokens(token_ids)
+            self._reuse_prefix(self._tokens + ids, len(self._tokens) + len(ids) - 1)
             self._tokens.extend(ids)
             self._last_logits = None
 
@@ -147,6 +218,8 @@ class Session:
                 raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
             self._check_length(len(self._tokens) + 1)
             out = self.engine.scheduler.run(Request(self, params, speculative, on_tokens))
+            with self.engine.lock:
+                self.publish()
             self.engine.finish_turn(self)
             return out
 
@@ -185,7 +258,7 @@ class Session:
         """A new session sharing every page (copy-on-write on the first write
         into a shared partially filled page, by either side)."""
         with self._busy():
-            return Session(self.engine, self.namespace, self.table.fork(), self._tokens)
+            return self.engine.session(self.namespace, self.pin_ttl, self.table.fork(), self._tokens)
 
     def adopt(self, other: "Session") -> None:
         """Take over other's tokens and pages (other is closed), releasing ours."""
@@ -202,6 +275,7 @@ class Session:
         if self._closed:
             return
         with self._lock, self.engine.lock:
+            self.publish()
             self.table.release()
             self._tokens.clear()
             self._last_logits = None

@@ -29,3 +29,10 @@ def page_accounting():
     gc.collect()
     for pool in list(PagePool.live):
         pool.check()
+
+
+def assert_all_pages_free(engine) -> None:
+    """Once the prefix cache lets go, no page may still be referenced."""
+    if engine.radix is not None:
+        engine.radix.clear()
+    assert engine.pool.num_free == engine.pool.num_pages

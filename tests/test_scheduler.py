@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, KVCapacityError
+from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
 
@@ -50,7 +51,7 @@ def test_concurrent_sessions_match_sequential(ckpt):
     finally:
         engine.scheduler.stop()
     assert concurrent == sequential
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert_all_pages_free(engine)
 
 
 def test_capacity_error_fails_only_the_request_that_does_not_fit(ckpt):

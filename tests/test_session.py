@@ -16,6 +16,7 @@ from engine import (
     SessionClosedError,
     UnsupportedModelError,
 )
+from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
 VOCAB = 320
@@ -82,7 +83,7 @@ def test_fork_then_diverge_leaves_parent_untouched(engine):
     parent.close()
     assert child.tokens == a + x
     child.close()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert_all_pages_free(engine)
 
 
 def test_generated_tokens_stay_in_the_session(engine):
@@ -188,7 +189,7 @@ def test_busy_and_closed_sessions(engine):
     worker.join()
     engine.runner.step = original
     s.close()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert_all_pages_free(engine)
     with pytest.raises(SessionClosedError):
         s.append([1])
 
@@ -200,7 +201,7 @@ def test_dropped_session_returns_its_pages(engine):
     import gc
 
     gc.collect()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert_all_pages_free(engine)
 
 
 def test_sharded_checkpoint_and_half_precision(tmp_path):

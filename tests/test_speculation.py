@@ -5,6 +5,7 @@ import torch
 
 from engine import Engine
 from model.sampler import SamplingParams, probs_from_logits
+from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
 VOCAB = 320
@@ -191,4 +192,4 @@ def test_page_accounting_after_rejections(engine):
         s.generate(max_tokens=30, ignore_eos=True)
         check_consistent(s)
         engine.pool.check()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert_all_pages_free(engine)
