@@ -1,7 +1,7 @@
 """A fixed pool of KV pages shared by all layers, with per-page refcounts.
 
 One tensor holds every page of every layer: kv[layer, 0 or 1 (K or V), page,
-slot, kv_head, head_dim]. Pages are handed out by a free list; a page returns
+slot, kv_head, head_dim] (stored head-major). Pages are handed out by a free list; a page returns
 to it when its last holder lets go.
 """
 from __future__ import annotations
@@ -37,7 +37,11 @@ class PagePool:
             raise ValueError(f"need at least one page of at least one slot, got {num_pages} x {page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # Indexed [layer, K/V, page, slot, head, dim] but stored head-major, so
+        # that a run of consecutive pages is one contiguous block per head:
+        # attention over it needs no gather (see kernels.reference._by_head).
+        storage = torch.zeros(num_layers, 2, num_kv_heads, num_pages, page_size, head_dim, dtype=dtype, device=device)
+        self.kv = storage.permute(0, 1, 3, 4, 2, 5)
         self.refcount = [0] * num_pages
         # A stack popped from the end: low page ids first, so a fresh sequence
         # tends to get consecutive pages.

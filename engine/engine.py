@@ -55,6 +55,7 @@ class Engine:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         stateless: bool = False,
         prefix_cache: bool = True,
+        prefix_match: str = "token",
         pin_ttl: float | None = 300.0,
     ):
         cfg: ModelConfig = model.cfg
@@ -68,6 +69,11 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, self._make_room)
         self.stateless = stateless
         self.radix = RadixCache(self.pool) if prefix_cache and not stateless else None
+        if prefix_match not in ("token", "block"):
+            raise InvalidRequestError(f"prefix_match must be 'token' or 'block', not {prefix_match!r}")
+        # "block" reuses whole pages only, as block-hash caches (vLLM) and
+        # page-aligned radix trees do: the baseline token granularity beats.
+        self.prefix_match = prefix_match
         self.pin_ttl = pin_ttl
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self.max_context = cfg.max_position_embeddings

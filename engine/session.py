@@ -98,7 +98,10 @@ class Session:
             return
         length, pages = radix.match(tokens, self.namespace)
         length = min(length, limit)
-        keep = -(-length // self.engine.pool.page_size)
+        ps = self.engine.pool.page_size
+        if self.engine.prefix_match == "block":
+            length -= length % ps
+        keep = -(-length // ps)
         self.engine.pool.decref(pages[keep:])
         self.table.release()
         self.table = BlockTable(self.engine.pool, pages[:keep], length)

@@ -5,9 +5,9 @@ Maths: kv[l, c, dst[i]] = kv[l, c, src[i]] for every layer l, c in {K, V} and
 copy i. The copy is bitwise: elements move as integers of their width, so
 any dtype (and any NaN payload) round-trips.
 
-Layout: kv [L, 2, P, page_size, Hkv, D]; a page of one layer and kind,
-[page_size, Hkv, D], must be contiguous, so it is one run of PAGE_NUMEL
-elements. Program (i, l * 2 + c, chunk) copies BLOCK elements of that run.
+Layout: kv [L, 2, P, page_size, Hkv, D] with any strides but a contiguous
+last dim (the pool stores it head-major). Program (i, (l * 2 + c) * Hkv + h,
+chunk) copies BLOCK elements of head h's [page_size, D] part of the page.
 dst pages must be distinct and disjoint from src pages (copy-on-write copies
 into fresh pages): the copies run concurrently.
 
@@ -26,25 +26,32 @@ _MAX_BLOCK = 4096
 
 @triton.jit
 def _copy_pages_kernel(
-    kv_ptr,  # [L, 2, P, PAGE_NUMEL] as integers of the element width
+    kv_ptr,  # [L, 2, P, PAGE_SIZE, H, HEAD_DIM] as integers of the element width, any strides
     src_ptr,  # [N]
     dst_ptr,  # [N]
     stride_kv_layer,
     stride_kv_kind,
     stride_kv_page,
-    PAGE_NUMEL: tl.constexpr,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     copy = tl.program_id(0).to(tl.int64)
-    layer_kind = tl.program_id(1).to(tl.int64)
+    lkh = tl.program_id(1).to(tl.int64)  # (layer, kind, head) flattened
     chunk = tl.program_id(2).to(tl.int64)
-    base = kv_ptr + (layer_kind // 2) * stride_kv_layer + (layer_kind % 2) * stride_kv_kind
+    head = lkh % NUM_HEADS
+    layer_kind = lkh // NUM_HEADS
+    base = kv_ptr + (layer_kind // 2) * stride_kv_layer + (layer_kind % 2) * stride_kv_kind + head * stride_kv_head
     src = tl.load(src_ptr + copy).to(tl.int64)
     dst = tl.load(dst_ptr + copy).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PAGE_NUMEL
-    data = tl.load(base + src * stride_kv_page + offs, mask=mask)
-    tl.store(base + dst * stride_kv_page + offs, data, mask=mask)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)  # over one head's [PAGE_SIZE, HEAD_DIM] of a page
+    mask = offs < PAGE_SIZE * HEAD_DIM
+    within = (offs // HEAD_DIM) * stride_kv_slot + offs % HEAD_DIM
+    data = tl.load(base + src * stride_kv_page + within, mask=mask)
+    tl.store(base + dst * stride_kv_page + within, data, mask=mask)
 
 
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -54,14 +61,14 @@ def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dim() != 1 or src.device != kv.device or dst.device != kv.device:
         raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be 1-D, of one length, on kv's device")
     num_layers, _, _, page_size, num_kv_heads, head_dim = kv.shape
-    page_numel = page_size * num_kv_heads * head_dim
-    if kv.stride(5) != 1 or kv.stride(4) != head_dim or kv.stride(3) != num_kv_heads * head_dim:
-        raise ValueError(f"each page of kv must be contiguous, got strides {kv.stride()}")
+    if kv.stride(5) != 1:
+        raise ValueError(f"kv must be contiguous in its last dim, got strides {kv.stride()}")
     if src.numel() == 0:
         return
     bits = kv.view(_INT_OF_WIDTH[kv.element_size()])
+    page_numel = page_size * head_dim
     block = min(triton.next_power_of_2(page_numel), _MAX_BLOCK)
-    grid = (src.numel(), num_layers * 2, triton.cdiv(page_numel, block))
+    grid = (src.numel(), num_layers * 2 * num_kv_heads, triton.cdiv(page_numel, block))
     _copy_pages_kernel[grid](
         kv_ptr=bits,
         src_ptr=src,
@@ -69,6 +76,10 @@ def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         stride_kv_layer=bits.stride(0),
         stride_kv_kind=bits.stride(1),
         stride_kv_page=bits.stride(2),
-        PAGE_NUMEL=page_numel,
+        stride_kv_slot=bits.stride(3),
+        stride_kv_head=bits.stride(4),
+        NUM_HEADS=num_kv_heads,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
         BLOCK=block,
     )

@@ -4,7 +4,9 @@ the Triton kernels are tested against.
 Layouts (shared with the Triton kernels):
   q            [T, Hq, D]        new tokens of a ragged step, T = sum of query lens
   k, v         [T, Hkv, D]
-  k_cache      [P, page_size, Hkv, D]   one layer's K pages (v_cache likewise)
+  k_cache      [P, page_size, Hkv, D]   one layer's K pages (v_cache likewise), any
+               strides with page and slot mergeable per head; the pool stores
+               them head-major ([Hkv, P, page_size, D] in memory)
   kv           [L, 2, P, page_size, Hkv, D]   the whole pool, all layers
   cos, sin     [max_pos, D // 2]  float32 RoPE tables (HF "rotate_half" convention)
 """
@@ -60,11 +62,19 @@ def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, t
     return plan
 
 
+def _by_head(cache: torch.Tensor) -> torch.Tensor:
+    """[P, page_size, Hkv, D] -> [Hkv, P * page_size, D], a view: each head's
+    slots in page order. In the pool's head-major layout a run of consecutive
+    pages is then one contiguous block per head, which matmuls read in place."""
+    num_pages, page_size, num_kv_heads, head_dim = cache.shape
+    return cache.permute(2, 0, 1, 3).view(num_kv_heads, num_pages * page_size, head_dim)
+
+
 def _key_views(flat: torch.Tensor, keys: object) -> list[torch.Tensor]:
-    # flat: [P * page_size, Hkv, D] -> pieces [Hkv, n, D] (views for runs)
+    # flat: [Hkv, P * page_size, D] -> pieces [Hkv, n, D] (views for runs)
     if isinstance(keys, torch.Tensor):
-        return [flat.index_select(0, keys).transpose(0, 1)]
-    return [flat[s : s + n].transpose(0, 1) for s, n in keys]
+        return [flat.index_select(1, keys)]
+    return [flat[:, s : s + n] for s, n in keys]
 
 
 def _decode_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -96,9 +106,7 @@ def paged_attention(
     plan = meta.torch_plans.get(sliding_window)
     if plan is None:
         plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
+    k_flat, v_flat = _by_head(k_cache), _by_head(v_cache)
     out = torch.empty_like(q)
     start = 0
     for q_len, (keys, mask) in zip(meta.query_lens_list, plan):
@@ -137,9 +145,9 @@ def rope_and_store(
     slots (meta.slot_mapping); return rotated q."""
     c = cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D/2]
     s = sin.index_select(0, meta.positions)[:, None, :]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _rotate(k, c, s))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    # Through the per-head view, so that any page layout is written in place.
+    _by_head(k_cache).index_copy_(1, meta.slot_mapping, _rotate(k, c, s).transpose(0, 1))
+    _by_head(v_cache).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     return _rotate(q, c, s)
 
 
