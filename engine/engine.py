@@ -126,8 +126,14 @@ class Engine:
     def cache_stats(self) -> dict:
         """Prefix-cache counters and page usage."""
         stats = self.radix.stats() if self.radix is not None else {}
-        return {**stats, "pages_total": self.pool.num_pages, "pages_free": self.pool.num_free,
-                "pages_pinned": sum(len(s.table.pages) for s in list(self._sessions) if not s.closed)}
+        pinned = {p for s in list(self._sessions) if not s.closed for p in s.table.pages}
+        return {
+            **stats,
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "pages_pinned": len(pinned),  # held by live sessions: never evicted
+            "pages_shared": sum(1 for rc in self.pool.refcount if rc > 1),
+        }
 
     def finish_turn(self, session: Session) -> None:
         self.stats.append(session.turn)

@@ -21,6 +21,7 @@ import torch
 import kernels
 from cache.errors import KVCapacityError
 from engine.runner import StepItem
+from profiling.nvtx import nvtx_range
 from model.sampler import SamplingParams, draw_uniforms, make_generator, probs_from_logits
 
 if TYPE_CHECKING:
@@ -46,6 +47,13 @@ class Request:
     @property
     def pending(self) -> int:
         return len(self.session._tokens) - self.session.table.length
+
+
+def _phase(items: list[StepItem], drafts: list[list[int] | None]) -> str:
+    """Name a step for the profiler timeline by the heaviest work in it."""
+    if any(d is None or len(it.tokens) > len(d) + 1 for it, d in zip(items, drafts)):
+        return "prefill"
+    return "verify" if any(drafts) else "decode"
 
 
 class Scheduler:
@@ -147,7 +155,8 @@ class Scheduler:
             drafts.append(draft if finishing else None)
         start = time.perf_counter()
         try:
-            logits = self.engine.runner.step(items)
+            with nvtx_range(_phase(items, drafts)):
+                logits = self.engine.runner.step(items)
         except KVCapacityError as e:
             self._fail(batch[-1], e)  # the newest request gives way; the rest retry next step
             return
@@ -194,6 +203,7 @@ class Scheduler:
             s.drafter().record(len(draft), n_acc)
             s.turn.drafted_tokens += len(draft)
             s.turn.accepted_tokens += n_acc
+            s.turn.verify_steps += 1
         new = draft[:n_acc] + [int(nxt[0])]
         for i in range(len(new)):
             if self._stops(req, req.output + new[: i + 1], len(s._tokens) + i + 1):

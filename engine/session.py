@@ -20,6 +20,7 @@ from engine.runner import StepItem
 from engine.stats import TurnStats
 from engine.scheduler import Request
 from model.sampler import SamplingParams
+from profiling.nvtx import nvtx_range
 from spec.ngram import NGramDrafter
 
 if TYPE_CHECKING:
@@ -172,7 +173,8 @@ class Session:
             if not self.turn.computed_tokens:
                 self.turn.reused_tokens = self.table.length
             computed = len(self._tokens) + len(ids) - self.table.length
-            logits = self._compute(ids, len(ids) if all_logits else 1)
+            with nvtx_range("prefill"):
+                logits = self._compute(ids, len(ids) if all_logits else 1)
             self.turn.computed_tokens += computed
             self.turn.prefill_s += time.perf_counter() - start
             return logits[-len(ids) :] if all_logits else logits[-1]

@@ -1,0 +1,77 @@
+"""The OpenAI-compatible HTTP server over one Engine.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /v1/models/{model}, GET /health, GET /metrics, and the session endpoints
+under /v1/sessions. The engine's scheduler runs while the app does, so that
+requests from every handler batch into shared forwards.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from engine.api import chat, completions, session_routes
+from engine.api.errors import install_error_handlers
+from engine.api.metrics import RequestCounter
+from engine.api.schemas import ModelCard, ModelList
+from engine.api.state import ApiState
+
+if TYPE_CHECKING:
+    from engine import Engine
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+def create_app(engine: "Engine", model_name: str) -> FastAPI:
+    api = ApiState.for_engine(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.scheduler.start()
+        try:
+            yield
+        finally:
+            await _drain(api)
+            engine.scheduler.stop()
+            api.sessions.close_all()
+
+    app = FastAPI(title="agentkv", description="OpenAI-compatible API of a stateful engine", lifespan=lifespan)
+    app.state.api = api
+    install_error_handlers(app)
+    app.add_middleware(RequestCounter, metrics=api.metrics)
+    for module in (chat, completions, session_routes):
+        app.include_router(module.router)
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        # The scheduler thread is what serves every request: if it has died, nothing will finish.
+        ready = engine.scheduler.serving
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=api.model_name, created=api.created)])
+
+    @app.get("/v1/models/{model:path}")
+    def read_model(model: str) -> ModelCard:
+        api.check_model(model)
+        return ModelCard(id=api.model_name, created=api.created)
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(api.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _drain(api: ApiState) -> None:
+    """Wait (bounded) for generations still running, e.g. those of clients
+    that went away mid-stream, so that no session is closed under them."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while (api.engine.scheduler.active or api.sessions.busy_count()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)

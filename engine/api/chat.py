@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions.
+
+Session affinity: an `X-Session-Id` header or a `session_id` body field pins
+the conversation to a persistent engine session, made on first use. Each turn
+re-sends the whole history; the engine reuses the longest common prefix with
+what the session holds and computes only the rest, so an edited or
+re-rendered history costs a recompute from the first difference, never a
+wrong answer. Without an id, each request gets a fresh session of its own.
+
+Streaming: the engine's per-step tokens are decoded incrementally into
+content deltas; tool calls go out as one tool_calls chunk at the end, then
+the chunk with the finish reason, then usage (with stream_options.
+include_usage), then [DONE]. An error before the first token is answered with
+its HTTP status; one after it, as an error event.
+
+A client that disconnects mid-stream: the generation is not abandoned (the
+engine cannot cancel a request); it runs to max_tokens or a stop, and the
+session ends holding the whole reply, as if the client had read it. The
+session stays busy (409) until then, and every page is accounted for: held by
+the session, or freed with a temporary one.
+
+tool_choice: "none" hides the tools from the prompt and parses no calls;
+"auto", "required" and a named function offer the tools and parse calls, but
+the last two are not enforced until constrained decoding lands.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Annotated, AsyncIterator
+
+from fastapi import APIRouter, Header, Request
+
+from engine import ChatResult
+from engine.api.errors import APIError
+from engine.api.generation import Generation, OnTokens
+from engine.api.replies import ReplyText
+from engine.api.schemas import (
+    SESSION_ID_PATTERN,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkChoice,
+    ChunkToolCall,
+    Delta,
+    Message,
+    NamedToolChoice,
+    SystemMessage,
+    TurnRecord,
+    Usage,
+)
+from engine.api.sessions import Lease
+from engine.api.sse import DONE, error_event, event, event_stream
+from engine.api.state import ApiState
+
+router = APIRouter()
+
+
+def template_message(message: Message) -> dict:
+    """The message as chat templates read it: text parts joined, developer as system."""
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        out["content"] = "\n".join(part.text for part in message.content)
+    if isinstance(message, SystemMessage):
+        out["role"] = "system"
+    if isinstance(message, AssistantMessage):
+        out.pop("refusal", None)
+    return out
+
+
+def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
+    if body_id and header_id and body_id != header_id:
+        raise APIError(400, "X-Session-Id and session_id name different sessions", param="session_id")
+    return body_id or header_id
+
+
+def check_tool_choice(body: ChatCompletionRequest) -> None:
+    choice, offered = body.tool_choice, {tool.function.name for tool in body.tools or ()}
+    if choice == "required" and not offered:
+        raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+
+
+def pick_max_tokens(body: ChatCompletionRequest) -> int | None:
+    if body.max_tokens and body.max_completion_tokens and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, "max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
+    return body.max_completion_tokens or body.max_tokens
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    model: str
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk(self, delta: Delta, finish_reason: str | None = None) -> ChatCompletionChunk:
+        choice = ChunkChoice(delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+
+def usage_of(result: ChatResult) -> Usage:
+    u = result.usage
+    return Usage.of(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    x_session_id: Annotated[str | None, Header(pattern=SESSION_ID_PATTERN)] = None,
+):
+    api: ApiState = request.app.state.api
+    api.check_model(body.model)
+    api.check_supported(body.unsupported())
+    check_tool_choice(body)
+    session_id = pick_session_id(body.session_id, x_session_id)
+    use_tools = bool(body.tools) and body.tool_choice != "none"
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if use_tools else None
+    messages = [template_message(m) for m in body.messages]
+    max_tokens = pick_max_tokens(body)
+    text = ReplyText(api.tokenizer, body.stops(), api.tool_format if use_tools else None)
+    lease = api.sessions.lease(session_id, create=True) if session_id else None
+    try:
+        gen = Generation(partial(_run, api, lease, body, messages, tools, max_tokens))
+    except BaseException:  # no thread started (none left?): nothing will release the lease
+        if lease is not None:
+            lease.release()
+        raise
+    meta = ChunkMeta(body.model)
+    if not body.stream:
+        return _completion(meta, text, await gen.result(), api.stop_ids)
+    await gen.started()
+    return event_stream(_events(gen, text, meta, body.include_usage(), api.stop_ids))
+
+
+def _run(
+    api: ApiState,
+    lease: Lease | None,
+    body: ChatCompletionRequest,
+    messages: list[dict],
+    tools: list[dict] | None,
+    requested: int | None,
+    on_tokens: OnTokens,
+) -> ChatResult:
+    """The engine call, on the generation's thread; the lease ends with it."""
+    try:
+        start = time.perf_counter()
+        # Rendered here, off the event loop, only to check the budget: eng.chat renders again.
+        prompt = api.tokenizer.apply_chat_template(messages, tools=tools)
+        max_tokens = api.max_tokens(len(prompt), requested)
+        result = api.engine.chat(
+            messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(), on_tokens=on_tokens,
+        )
+        latency = time.perf_counter() - start
+        api.metrics.observe_turn(latency)
+        if lease is not None:
+            u = result.usage
+            lease.record(TurnRecord(prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
+                                    completion_tokens=u["completion_tokens"], latency_s=latency))
+        return result
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _completion(meta: ChunkMeta, text: ReplyText, result: ChatResult, stop_ids: list[int]) -> ChatCompletion:
+    text.push(result.token_ids)
+    _, reply = text.finish(result.token_ids, stop_ids)
+    message = ChatMessage(content=reply.content, tool_calls=reply.tool_calls or None)
+    return ChatCompletion(
+        id=meta.id, created=meta.created, model=meta.model,
+        choices=[ChatChoice(message=message, finish_reason=reply.finish_reason)], usage=usage_of(result),
+    )
+
+
+async def _events(
+    gen: Generation[ChatResult], text: ReplyText, meta: ChunkMeta, include_usage: bool, stop_ids: list[int]
+) -> AsyncIterator[str]:
+    yield event(meta.chunk(Delta(role="assistant", content="")))
+    async for ids in gen.tokens():
+        if delta := text.push(ids):
+            yield event(meta.chunk(Delta(content=delta)))
+    try:
+        result = await gen.result()
+    except Exception as e:
+        yield error_event(e)
+        yield DONE
+        return
+    rest, reply = text.finish(result.token_ids, stop_ids)
+    if rest:
+        yield event(meta.chunk(Delta(content=rest)))
+    if reply.tool_calls:
+        calls = [ChunkToolCall(index=i, **call.model_dump()) for i, call in enumerate(reply.tool_calls)]
+        yield event(meta.chunk(Delta(tool_calls=calls)))
+    yield event(meta.chunk(Delta(), reply.finish_reason))
+    if include_usage:
+        usage = ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage_of(result))
+        yield event(usage)
+    yield DONE

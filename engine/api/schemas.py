@@ -1,0 +1,302 @@
+"""Request and response bodies of the HTTP API, in OpenAI's shapes.
+
+Requests are strict and closed (`extra="forbid"`): a wrong type or an unknown
+field is a 400, as at OpenAI, rather than a silently ignored option. The one
+extra field is `session_id`, which pins a conversation to a persistent engine
+session. Fields OpenAI documents that this engine cannot honour yet are
+accepted only at their neutral value (see `unsupported`).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
+# OpenAI allows up to 4 stop sequences.
+Stop = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
+
+
+class RequestBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(RequestBody):
+    type: Literal["text"]
+    text: str
+
+
+Content = Union[str, list[TextPart]]
+
+
+class FunctionCall(RequestBody):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(RequestBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(RequestBody):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(RequestBody):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(RequestBody):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(RequestBody):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+
+
+class FunctionDefinition(RequestBody):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestBody):
+    name: str
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(RequestBody):
+    include_usage: bool = False
+
+
+class Sampling(RequestBody):
+    """What chat and text completions share. temperature defaults to 1.0, as at OpenAI."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: Stop | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def unsupported(self) -> str | None:
+        """The first option set to something this engine cannot do, if any."""
+        if self.n != 1:
+            return "n"
+        if self.frequency_penalty:
+            return "frequency_penalty"
+        if self.presence_penalty:
+            return "presence_penalty"
+        return None
+
+
+class ChatCompletionRequest(Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    # "required" and a named function are accepted but not enforced until
+    # constrained decoding lands: the model may still answer in text.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    session_id: SessionId | None = None
+
+    def unsupported(self) -> str | None:
+        return "logprobs" if self.logprobs else super().unsupported()
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, Annotated[list[int], Field(min_length=1)]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for text completions
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.logprobs is not None:
+            return "logprobs"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported()
+
+
+class SessionCreateRequest(RequestBody):
+    session_id: SessionId | None = None
+
+
+class TruncateRequest(RequestBody):
+    length: Annotated[int, Field(ge=0)]
+
+
+# Responses.
+
+
+class ResponseBody(BaseModel):
+    pass
+
+
+class PromptTokensDetails(ResponseBody):
+    cached_tokens: int
+
+
+class Usage(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> "Usage":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class ResponseFunctionCall(ResponseBody):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class ChatMessage(ResponseBody):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class ChatChoice(ResponseBody):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(ResponseBody):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkToolCall(ResponseToolCall):
+    index: int
+
+
+class Delta(ResponseBody):
+    """What a stream chunk adds; only the keys it sets are sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_keys_only(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChunkChoice(ResponseBody):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseBody):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(ResponseBody):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(ResponseBody):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseBody):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "agentkv"
+
+
+class ModelList(ResponseBody):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TurnRecord(ResponseBody):
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    latency_s: float
+
+
+class SessionInfo(ResponseBody):
+    id: str
+    object: Literal["session"] = "session"
+    length: int  # tokens whose KV the session holds (or will compute with its next step)
+    pages: int
+    busy: bool
+    turns: list[TurnRecord]

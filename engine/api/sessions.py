@@ -1,0 +1,126 @@
+"""The server's named sessions, and which of them have a request in flight.
+
+The engine's Session serializes its own calls, but Engine.chat works on a fork
+that it adopts at the end: two chats on one session would each run and the
+last to finish would win. So the registry hands out leases: a request holds
+its session's lease from before it touches the session until the engine call
+has returned (a streamed reply whose client went away included), and a second
+request for the same session meanwhile gets 409. Reading a session's info
+needs no lease.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.api.errors import APIError, not_found
+from engine.api.schemas import SessionInfo, TurnRecord
+
+if TYPE_CHECKING:
+    from engine import Engine, Session
+
+
+@dataclass(eq=False)
+class _Entry:
+    session: "Session"
+    turns: list[TurnRecord] = field(default_factory=list)
+    busy: bool = False
+
+
+class Lease:
+    """Exclusive use of one session; release() is idempotent and thread-safe."""
+
+    def __init__(self, registry: "SessionRegistry", session_id: str, entry: _Entry):
+        self.registry, self.session_id, self._entry = registry, session_id, entry
+        self._released = False
+
+    @property
+    def session(self) -> "Session":
+        return self._entry.session
+
+    @property
+    def turns(self) -> list[TurnRecord]:
+        return self._entry.turns
+
+    def record(self, turn: TurnRecord) -> None:
+        self._entry.turns.append(turn)
+
+    def release(self) -> None:
+        with self.registry._lock:
+            if not self._released:
+                self._released = True
+                self._entry.busy = False
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class SessionRegistry:
+    def __init__(self, engine: "Engine", namespace: str = "default"):
+        self.engine = engine
+        self.namespace = namespace
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def create(self, session_id: str | None = None) -> str:
+        session_id = session_id or "sess_" + secrets.token_hex(12)
+        with self._lock:
+            if session_id in self._entries:
+                raise APIError(409, f"session {session_id!r} already exists", code="session_exists", param="session_id")
+            self._entries[session_id] = _Entry(self.engine.session(self.namespace))
+        return session_id
+
+    def lease(self, session_id: str, create: bool = False) -> Lease:
+        """Take the session (made empty on first use with create); 404 if unknown, 409 if busy."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None:
+                if not create:
+                    raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
+                entry = self._entries[session_id] = _Entry(self.engine.session(self.namespace))
+            if entry.busy:
+                raise APIError(409, f"session {session_id!r} already has a request in flight", code="session_busy")
+            entry.busy = True
+        return Lease(self, session_id, entry)
+
+    def fork(self, session_id: str) -> str:
+        """A new session sharing the source's pages (copy-on-write) and its turn history."""
+        with self.lease(session_id) as lease:
+            child = _Entry(lease.session.fork(), list(lease.turns))
+        new_id = "sess_" + secrets.token_hex(12)
+        with self._lock:
+            self._entries[new_id] = child
+        return new_id
+
+    def delete(self, session_id: str) -> None:
+        with self.lease(session_id) as lease:
+            with self._lock:
+                del self._entries[session_id]
+            lease.session.close()
+
+    def info(self, session_id: str) -> SessionInfo:
+        entry = self._entries.get(session_id)
+        if entry is None:
+            raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
+        s = entry.session
+        return SessionInfo(
+            id=session_id, length=len(s), pages=len(s.table.held_pages()), busy=entry.busy, turns=list(entry.turns)
+        )
+
+    def busy_count(self) -> int:
+        return sum(entry.busy for entry in list(self._entries.values()))
+
+    def close_all(self) -> None:
+        """Release every session's pages (at shutdown, once no request is in flight)."""
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            entry.session.close()
