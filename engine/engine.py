@@ -157,7 +157,7 @@ class Engine:
         if not prompt:
             raise InvalidRequestError("the rendered prompt is empty")
         # Work on a fork so that a failure leaves the session untouched.
-        work = session.fork() if session is not None else self.session()
+        work = session.fork_for_turn() if session is not None else self.session()
         try:
             reused = 0 if self.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
             work.truncate(reused)

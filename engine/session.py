@@ -210,10 +210,13 @@ class Session:
         tokens per forward (greedy output is identical; sampling keeps the
         model's distribution). on_tokens, if given, is called with each step's
         new tokens (streaming). On error the session is as it was before."""
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-        )
+        try:
+            params = SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
+                stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+            )
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         if params.stop and self.engine.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
         # The scheduler takes the engine lock step by step, so that other
@@ -264,6 +267,14 @@ class Session:
         into a shared partially filled page, by either side)."""
         with self._busy():
             return self.engine.session(self.namespace, self.pin_ttl, self.table.fork(), self._tokens)
+
+    def fork_for_turn(self) -> "Session":
+        """A fork that also takes over this session's draft index (kept in step
+        lazily: whichever side ends up with it re-syncs from its tokens), so a
+        turn worked on a fork need not rebuild it. See Engine.chat."""
+        child = self.fork()
+        child._drafter, self._drafter = self._drafter, None
+        return child
 
     def adopt(self, other: "Session") -> None:
         """Take over other's tokens and pages (other is closed), releasing ours."""
