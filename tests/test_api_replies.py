@@ -1,0 +1,67 @@
+"""Streamed reply text: what is shown as tokens arrive adds up to the
+non-streamed content, never shows a stop string or a tool call's markup, and
+never has to be taken back."""
+import pytest
+
+from engine.api.replies import ReplyText
+from model.default_tokenizer import build_default_tokenizer
+from model.tokenizer import Tokenizer
+
+EOS = [2]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_default_tokenizer(path)
+    return Tokenizer.from_dir(path)
+
+
+def stream(tokenizer, text: str, stops=(), tool_format=None, step: int = 1):
+    """(the deltas, the reply) of `text` pushed `step` tokens at a time."""
+    ids = tokenizer.encode(text)
+    reply = ReplyText(tokenizer, tuple(stops), tool_format)
+    deltas = [reply.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    rest, whole = reply.finish(ids, EOS)
+    return deltas + [rest], whole
+
+
+CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize(
+    "text,stops,tool_format,content,finish",
+    [
+        ("Zürich café — naïve → done", (), None, "Zürich café — naïve → done", "length"),
+        ("read the file and stop here please", ("stop here",), None, "read the file and ", "stop"),
+        ("a <tool box> is not a call", (), "hermes", "a <tool box> is not a call", "length"),
+        ("Let me look.  \n" + CALL + "\nThen I report.", (), "hermes", "Let me look.\nThen I report.", "tool_calls"),
+        (CALL, (), "hermes", None, "tool_calls"),
+        (CALL, (), None, CALL, "length"),  # tools not offered: the markup is text
+        ('{"name": "read_file", "parameters": {"path": "a"}}', (), "llama3_json", None, "tool_calls"),
+        ('{"name": "Ada"} is JSON for the user', (), "llama3_json", '{"name": "Ada"} is JSON for the user', "length"),
+    ],
+)
+def test_streamed_text_adds_up_to_the_reply(tokenizer, text, stops, tool_format, content, finish, step):
+    deltas, reply = stream(tokenizer, text, stops, tool_format, step)
+    assert reply.content == content and reply.finish_reason == finish
+    assert "".join(deltas) == (content or "")
+    for delta in deltas:
+        assert "<tool_call>" not in delta or tool_format is None
+        assert not any(s in delta for s in stops)
+
+
+def test_tool_calls_become_openai_calls(tokenizer):
+    _, reply = stream(tokenizer, CALL + "\n" + CALL.replace("a.py", "b.py"), tool_format="hermes")
+    assert [c.function.name for c in reply.tool_calls] == ["read_file", "read_file"]
+    assert [c.function.arguments for c in reply.tool_calls] == ['{"path": "src/a.py"}', '{"path": "src/b.py"}']
+    assert all(c.id.startswith("call_") and c.type == "function" for c in reply.tool_calls)
+
+
+def test_a_reply_ending_in_eos_is_stopped(tokenizer):
+    ids = tokenizer.encode("done") + EOS
+    text = ReplyText(tokenizer, (), None)
+    shown = text.push(ids)
+    rest, reply = text.finish(ids, EOS)
+    assert shown + rest == "done" and reply.finish_reason == "stop"
