@@ -1,21 +1,54 @@
 """Command line of the engine.
 
+    python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32] [--kv-cache-gb 1]
+        # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
     python serve.py demo [--shape 6|35|interleaved]   # the multi-agent demo, stateful vs stateless
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
+
+log = logging.getLogger("agentkv.serve")
+
+
+def serve(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description="agentkv: a stateful inference engine for multi-agent tool calling, served over an OpenAI-compatible API",
+        epilog="`python serve.py demo --help`: the multi-agent demo, stateful vs stateless",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (default: the embedded model)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache's pages")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from engine import Engine
+    from engine.api import create_app
+
+    name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
+    log.info("loading %s", args.model or "the embedded default model")
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30))
+    log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
+             engine.pool.num_pages, engine.pool.page_size)
+    uvicorn.run(create_app(engine, name), host=args.host, port=args.port)
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description="agentkv: a stateful inference engine for multi-agent tool calling")
-    parser.add_argument("command", choices=["demo"], help="demo: run a multi-agent workflow, stateful vs stateless")
-    args, rest = parser.parse_known_args(argv[:1])
-    if args.command == "demo":
+    if argv[:1] == ["demo"]:
         from experiments.demo import main as demo
 
         demo(argv[1:])
+    else:
+        serve(argv)
 
 
 if __name__ == "__main__":
