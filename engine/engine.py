@@ -12,7 +12,7 @@ import torch
 
 from cache.pool import PagePool
 from cache.radix import RadixCache
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.session import Session
@@ -156,6 +156,8 @@ class Engine:
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         if not prompt:
             raise InvalidRequestError("the rendered prompt is empty")
+        if len(prompt) >= self.max_context:
+            raise ContextLengthError(f"the prompt's {len(prompt)} tokens leave no room in the context of {self.max_context}")
         # Work on a fork so that a failure leaves the session untouched.
         work = session.fork_for_turn() if session is not None else self.session()
         try:
@@ -165,12 +167,14 @@ class Engine:
             # What is reused is the KV held now: the common prefix, or a
             # prefix-cache match for a session that held none.
             reused = work.table.length
-            work.turn.prompt_tokens, work.turn.reused_tokens = len(prompt), reused
+            # This turn's record (finish_turn files it and starts a new one).
+            turn = work.turn
+            turn.prompt_tokens, turn.reused_tokens = len(prompt), reused
             ids = work.generate(max_tokens=max_tokens, **sampling)
+            finish = work.finish_reason
         except BaseException:
             work.close()
             raise
-        turn = self.stats[-1]
         if session is None:
             work.close()
         elif self.stateless:
@@ -179,9 +183,13 @@ class Engine:
         else:
             session.adopt(work)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stops = [sampling["stop"]] if isinstance(sampling.get("stop"), str) else list(sampling.get("stop") or ())
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:  # OpenAI semantics: the stop string is not part of the reply
+            text = text[:cut]
         content, calls = parse_tool_calls(text)
-        stop_hit = bool(set(ids[-1:]) & set(self.eos_token_ids)) or len(ids) < max_tokens
-        finish = "tool_calls" if calls else ("stop" if stop_hit else "length")
+        if calls:
+            finish = "tool_calls"
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": len(ids),

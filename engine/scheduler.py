@@ -20,6 +20,7 @@ import torch
 
 import kernels
 from cache.errors import KVCapacityError
+from engine.errors import EngineError
 from engine.runner import StepItem
 from profiling.nvtx import nvtx_range
 from model.sampler import SamplingParams, draw_uniforms, make_generator, probs_from_logits
@@ -80,11 +81,16 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the background loop; requests still active fail (rolled back)
+        rather than wait forever."""
         if self._thread is not None:
             self._stop.set()
             self._wake.set()
             self._thread.join()
             self._thread = None
+        with self.engine.lock:
+            for req in list(self.active):
+                self._fail(req, EngineError("the scheduler stopped before the request finished"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -217,7 +223,11 @@ class Scheduler:
         req.output.extend(new)
         s.turn.generated_tokens += len(new)
         if req.on_tokens is not None:
-            req.on_tokens(new)
+            try:
+                req.on_tokens(new)
+            except Exception as e:  # a consumer's failure ends its own request only
+                self._fail(req, e)
+                return
         if req.finish_reason is not None:
             self._finish(req)
 

@@ -48,6 +48,7 @@ class Session:
         self._tokens: list[int] = list(tokens)
         self._last_logits: torch.Tensor | None = None  # valid while every token's KV is held
         self._drafter: NGramDrafter | None = None
+        self.finish_reason: str | None = None  # of the last generate: "stop" or "length"
         self._lock = threading.Lock()
         self._closed = False
         self.turn = TurnStats()
@@ -225,7 +226,9 @@ class Session:
             if not self._tokens:
                 raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
             self._check_length(len(self._tokens) + 1)
-            out = self.engine.scheduler.run(Request(self, params, speculative, on_tokens))
+            req = Request(self, params, speculative, on_tokens)
+            out = self.engine.scheduler.run(req)
+            self.finish_reason = req.finish_reason
             with self.engine.lock:
                 self.publish()
             self.engine.finish_turn(self)
@@ -284,6 +287,7 @@ class Session:
             self._tokens, other._tokens = other._tokens, []
             self._drafter, other._drafter = other._drafter, None
             self._last_logits = other._last_logits
+            self.finish_reason = other.finish_reason
             self.turn = other.turn
             other.close()
 

@@ -65,3 +65,37 @@ def test_capacity_error_fails_only_the_request_that_does_not_fit(ckpt):
     assert len(small.generate(max_tokens=4, ignore_eos=True)) == 4
     small.close()
     big.close()
+
+
+def test_a_failing_stream_consumer_ends_only_its_own_request(ckpt):
+    engine = Engine.from_pretrained(ckpt, page_size=8, num_pages=64)
+    good, bad = engine.session(), engine.session()
+    good.append(list(range(12)))
+    bad.append(list(range(20, 30)))
+    before = (bad.tokens, bad.table.length)
+
+    def explode(tokens):
+        raise RuntimeError("client went away")
+
+    with pytest.raises(RuntimeError, match="client went away"):
+        bad.generate(max_tokens=5, ignore_eos=True, on_tokens=explode)
+    assert (bad.tokens, bad.table.length) == before
+    assert len(good.generate(max_tokens=5, ignore_eos=True)) == 5
+    assert good.finish_reason == "length"
+    good.close()
+    bad.close()
+
+
+def test_stopping_the_loop_fails_waiting_requests_instead_of_hanging(ckpt):
+    engine = Engine.from_pretrained(ckpt, page_size=8, num_pages=64)
+    s = engine.session()
+    s.append(list(range(12)))
+    from engine.scheduler import Request
+    from model.sampler import SamplingParams
+
+    req = Request(s, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.scheduler.submit(req)  # no loop running: nobody steps it
+    engine.scheduler.stop()
+    assert req.done.is_set() and req.error is not None
+    assert s.tokens == list(range(12))
+    s.close()
