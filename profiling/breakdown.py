@@ -1,0 +1,274 @@
+"""Where one turn's time goes: a per-phase breakdown of an Engine.chat turn
+(template rendering, tokenization, prefill, decode, speculative verify,
+drafting, sampling, detokenization and tool-call parsing, and the rest:
+scheduling and session bookkeeping), plus a torch.profiler trace of the same
+turn that Perfetto (ui.perfetto.dev) or chrome://tracing opens.
+
+The phases are timed from outside the engine: this script wraps the
+callables a turn goes through on one Engine instance (its tokenizer's
+encode/decode, the chat template renderer, its runner's step, its
+scheduler's drafter, the verify/sampling kernel, the tool-call parser) and
+classifies each forward by its shape: a chunk longer than its logits is
+prefill, several logits of one chunk a verify, one token a decode. Each
+wrapper also opens a torch.profiler record_function range and an NVTX range
+(on CUDA, for nsight), so the trace shows the same phases over the aten ops.
+
+The turn: --turn N of the 6- or 35-turn workflow, teacher-forced, with the
+turns before it replayed first (stateful: each agent's session holds its
+history, so turn N computes only its delta; stateless: the whole prompt).
+It is run --repeats times, each from the same state (a new engine with the
+earlier turns replayed, untimed), the median per phase reported, then once
+more under torch.profiler.
+
+    python -m profiling.breakdown [--shape tiny|smollm2-135m | --model DIR] [--workflow 6] [--turn 4]
+        [--mode stateful|stateless] [--speculative] [--max-gen 32] [--repeats 3] [--threads 2]
+
+Writes runs/breakdown-<time>/{breakdown.json, trace.json, ops.txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import kernels
+import model.tokenizer as tokenizer_module
+from profiling.nvtx import nvtx_range
+
+PHASES = ["render", "tokenize", "prefill", "decode", "verify", "draft", "sample", "detokenize", "parse_tools",
+          "scheduling+bookkeeping"]
+
+
+class PhaseClock:
+    """Accumulates seconds and calls per phase while enabled."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+        self._depth = 0
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+        self.tokens.clear()
+
+    @contextmanager
+    def phase(self, name: str, tokens: int = 0):
+        # Only the outermost timed call counts (decode() inside a stop check
+        # inside a step would otherwise count twice).
+        if self._depth:
+            yield
+            return
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            with record_function(name), nvtx_range(name):
+                yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+            self.tokens[name] += tokens
+            self._depth -= 1
+
+
+def step_phase(items) -> tuple[str, int]:
+    """prefill / verify / decode, by the shape of the step's work."""
+    tokens = sum(len(it.tokens) for it in items)
+    if any(len(it.tokens) > it.num_logits for it in items):
+        return "prefill", tokens
+    if any(it.num_logits > 1 for it in items):
+        return "verify", tokens
+    return "decode", tokens
+
+
+def instrument_modules(clock: PhaseClock) -> None:
+    """Wrap the module-level callables a turn goes through: the chat template
+    renderer, the verify/sampling kernel and the tool-call parser."""
+    import engine.engine as engine_module
+
+    render = tokenizer_module.render_chat_template
+
+    def timed_render(*a, **kw):
+        with clock.phase("render"):
+            return render(*a, **kw)
+
+    tokenizer_module.render_chat_template = timed_render
+
+    verify = kernels.verify_drafts
+
+    def timed_verify(*a, **kw):
+        with clock.phase("sample"):
+            return verify(*a, **kw)
+
+    kernels.verify_drafts = timed_verify
+
+    parse = engine_module.parse_tool_calls
+
+    def timed_parse(*a, **kw):
+        with clock.phase("parse_tools"):
+            return parse(*a, **kw)
+
+    engine_module.parse_tool_calls = timed_parse
+
+
+def instrument_engine(eng, clock: PhaseClock) -> None:
+    """Wrap one Engine's tokenizer encode/decode, runner step and drafter."""
+    tok = eng.tokenizer
+    encode, decode = type(tok).encode.__get__(tok), type(tok).decode.__get__(tok)
+
+    def timed_encode(text):
+        with clock.phase("tokenize"):
+            return encode(text)
+
+    def timed_decode(ids, *a, **kw):
+        with clock.phase("detokenize"):
+            return decode(ids, *a, **kw)
+
+    tok.encode, tok.decode = timed_encode, timed_decode
+
+    step = eng.runner.step
+
+    def timed_step(items):
+        name, n = step_phase(items)
+        with clock.phase(name, n):
+            return step(items)
+
+    eng.runner.step = timed_step
+
+    draft = eng.scheduler._draft
+
+    def timed_draft(req):
+        with clock.phase("draft"):
+            return draft(req)
+
+    eng.scheduler._draft = timed_draft
+
+
+def load_engine(args):
+    from engine import Engine
+
+    if args.model:
+        path = Path(args.model)
+    elif args.shape:
+        from experiments.bench_turns import prepare_checkpoint
+
+        path = prepare_checkpoint(args.shape)
+    else:
+        path = None  # the embedded default model
+    base = Engine.from_pretrained(path, dtype=args.dtype, num_pages=16)
+    return base
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default=None, help="random-init shape (tiny, smollm2-135m, qwen2.5-0.5b); default: "
+                   "the embedded default model")
+    p.add_argument("--model", default=None, help="checkpoint directory")
+    p.add_argument("--workflow", default="6", choices=["6", "35"])
+    p.add_argument("--turn", type=int, default=4, help="which turn (1-based, schedule order) to break down")
+    p.add_argument("--mode", default="stateful", choices=["stateful", "stateless"])
+    p.add_argument("--speculative", action="store_true")
+    p.add_argument("--max-gen", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from engine import Engine
+    from experiments.bench_turns import prepare_requests, workflow
+    from experiments.common import machine, run_dir, table
+
+    base = load_engine(args)
+    wf = workflow(args.workflow, args.seed)
+    reqs = prepare_requests(base.tokenizer, wf, args.turn, args.max_gen)
+    if len(reqs) < args.turn:
+        raise SystemExit(f"the workflow has only {len(reqs)} turns")
+    target = reqs[-1]
+    need = sum({r.agent: len(r.ids) + r.gen for r in reqs}.values())
+    clock = PhaseClock()
+    instrument_modules(clock)
+
+    def fresh_state():
+        """A new engine with the turns before the target replayed (stateful:
+        each agent's session holds its history), so every measured turn
+        starts from the same state, prefix cache included."""
+        eng = Engine(base.model, base.tokenizer, page_size=base.pool.page_size,
+                     num_pages=3 * need // base.pool.page_size + 64, stateless=args.mode == "stateless")
+        instrument_engine(eng, clock)
+        sessions: dict[str, object] = {}
+        for r in reqs[:-1]:
+            s = sessions.setdefault(r.agent, eng.session()) if args.mode == "stateful" else None
+            eng.chat(r.messages, tools=r.tools, session=s, max_tokens=r.gen, ignore_eos=True,
+                     speculative=args.speculative)
+        home = None
+        if args.mode == "stateful":
+            home = sessions.setdefault(target.agent, eng.session())  # empty on the agent's first turn
+        return eng, home
+
+    def one_turn() -> tuple[float, dict]:
+        eng, home = fresh_state()
+        clock.reset()
+        start = time.perf_counter()
+        with record_function("turn"):
+            eng.chat(target.messages, tools=target.tools, session=home, max_tokens=target.gen, ignore_eos=True,
+                     speculative=args.speculative)
+        total = time.perf_counter() - start
+        st = eng.stats[-1]
+        phases = dict(clock.seconds)
+        phases["scheduling+bookkeeping"] = max(total - sum(phases.values()), 0.0)
+        return total, {"phases": phases, "calls": dict(clock.calls), "tokens": dict(clock.tokens),
+                       "stats": st.as_dict()}
+
+    one_turn()  # warm-up from the same state
+    runs = [one_turn() for _ in range(args.repeats)]
+    totals = [t for t, _ in runs]
+    med = {ph: statistics.median([r["phases"].get(ph, 0.0) for _, r in runs]) for ph in PHASES}
+    calls = {ph: runs[0][1]["calls"].get(ph, 0) for ph in PHASES}
+    tokens = {ph: runs[0][1]["tokens"].get(ph, 0) for ph in PHASES}
+    total = statistics.median(totals)
+
+    out = Path(args.out) if args.out else run_dir("breakdown")
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        one_turn()
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    (out / "ops.txt").write_text(ops + "\n")
+
+    rows = [[ph, med[ph] * 1e3, f"{100 * med[ph] / total:.1f}%", calls[ph], tokens[ph] or ""] for ph in PHASES]
+    rows.append(["total (Engine.chat)", total * 1e3, "100%", "", ""])
+    text = table(["phase", "ms", "share", "calls", "tokens"], rows)
+    st = runs[0][1]["stats"]
+    head = (f"turn {args.turn} ({target.agent}) of the {wf.shape} workflow, {args.mode}: prompt {len(target.ids)} "
+            f"tokens, reused {st['reused_tokens']}, computed {st['computed_tokens']}, generated "
+            f"{st['generated_tokens']} in {st['decode_steps']} decode steps; median of {args.repeats}")
+    print(head)
+    print(text)
+    print("\ntop aten ops of the profiled turn:\n" + ops)
+    res = {"command": " ".join([sys.executable, "-m", "profiling.breakdown", *sys.argv[1:]]), "args": vars(args),
+           "machine": machine(), "turn": {"index": args.turn, "agent": target.agent, "prompt": len(target.ids),
+                                          "gen": target.gen},
+           "median_ms": {ph: v * 1e3 for ph, v in med.items()}, "total_ms": total * 1e3, "calls": calls,
+           "tokens": tokens, "repeats": [r for _, r in runs], "trace": str(trace)}
+    (out / "breakdown.json").write_text(json.dumps(res, indent=2))
+    (out / "breakdown.txt").write_text(head + "\n" + text + "\n")
+    print(f"wrote {out}/breakdown.json and {trace} (open in https://ui.perfetto.dev)")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Smoke test of experiments.bench_turns: the tiny shape, the first two turns
+of the 6-turn workflow, a few generated tokens, the engine's three modes and
+HF transformers (no vLLM or llama.cpp); checks the JSON it writes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from experiments import bench_turns  # noqa: E402
+
+SYSTEMS = ["stateful", "stateless", "block", "hf", "hf-reuse"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_turns")
+    res = bench_turns.main([
+        "--shape", "tiny", "--workflow", "6", "--max-turns", "2", "--max-gen", "3", "--repeats", "1",
+        "--threads", "1", "--systems", ",".join(SYSTEMS), "--out", str(out), "--no-wandb",
+    ])
+    return out, res
+
+
+def test_writes_json_plot_and_report(result):
+    out, _ = result
+    data = json.loads((out / "results.json").read_text())
+    for key in ("command", "args", "machine", "model", "workflow", "requests", "systems_ran", "skipped", "results"):
+        assert key in data
+    assert "bench_turns" in data["command"]
+    assert data["machine"]["threads"] == 1
+    try:
+        import matplotlib  # noqa: F401  (the bench extra)
+    except ImportError:
+        pass
+    else:
+        assert (out / "per_turn.png").stat().st_size > 0
+    assert (out / "report.txt").read_text().strip()
+
+
+def test_every_system_ran_the_same_turns(result):
+    _, res = result
+    assert res["systems_ran"] == SYSTEMS, res["skipped"]
+    assert res["skipped"] == {}
+    n = len(res["requests"])
+    assert n == 2 and res["workflow"]["turns_run"] == 2
+    for s in SYSTEMS:
+        turns = res["results"][s]["turns"]
+        assert len(turns) == n
+        for t, r in zip(turns, res["requests"]):
+            assert t["latency_s"] > 0
+            assert t["generated"] == r["gen"] <= 3
+            assert len(t["repeats"]) == 1
+        assert res["results"][s]["e2e_s"] == pytest.approx(sum(t["latency_s"] for t in turns))
+        assert "median_turn_ratio" in res["results"][s]
+
+
+def test_stateful_computes_less_than_stateless(result):
+    _, res = result
+    r = res["results"]
+    prompts = [q["prompt"] for q in res["requests"]]
+    # Stateless re-prefills every prompt in full; the stateful session only
+    # the second turn's delta.
+    assert [t["computed"] for t in r["stateless"]["turns"]] == prompts
+    assert r["stateful"]["computed_tokens"] < r["stateless"]["computed_tokens"]
+    assert r["stateful"]["turns"][1]["reused"] > 0
+    # Block-hash reuse matches whole pages only, so never more than the stateful session.
+    assert r["block"]["turns"][1]["reused"] <= r["stateful"]["turns"][1]["reused"]
+    assert r["block"]["turns"][1]["reused"] % res["args"]["page_size"] == 0
+    assert r["hf-reuse"]["computed_tokens"] < r["hf"]["computed_tokens"]
+
+
+def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_turns, "VLLM_VENV", tmp_path / "no-vllm")
+    monkeypatch.setattr(bench_turns, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
+    assert "setup_vllm.sh" in bench_turns.vllm_status()
+    assert "setup_llamacpp.sh" in bench_turns.llamacpp_status()
