@@ -505,10 +505,12 @@ class Synth:
 
     def repeat(self) -> tuple[list[int], list[int]]:
         pool = self.small_pool if self.rng.random() < 0.5 else self.normal
-        span = self._span(self.rng.randint(6, 60), pool)
+        span = self._span(self.rng.randint(6, 48), pool)
         sep = self.glue[self.rng.choice(["\n", "|", ";"])]
-        ids = span + sep + span
-        codes = [NO_LOSS] * (len(span) + len(sep)) + [SYNTH] * len(span)
+        ids, codes = span + sep, [NO_LOSS] * (len(span) + len(sep))
+        for _ in range(self.rng.choice([1, 1, 2, 3])):  # the span again, once or more
+            ids += span + sep
+            codes += [SYNTH] * (len(span) + len(sep))
         return ids, codes
 
     def lookup(self) -> tuple[list[int], list[int]]:

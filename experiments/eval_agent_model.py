@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model folder (e.g. the output of train_agent_model)")
     p.add_argument("--turns", type=int, default=40)
-    p.add_argument("--max-tokens", type=int, default=160, help="reply budget per turn")
+    p.add_argument("--max-tokens", type=int, default=256, help="reply budget per turn")
     p.add_argument("--seq-len", type=int, default=None, help="prompt window (default: the model's training length)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--time-limit", type=float, default=None, help="stop starting turns after this many seconds")

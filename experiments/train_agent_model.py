@@ -264,15 +264,18 @@ def param_count(model: nn.Module) -> int:
 
 
 def _worker(wid: int, seed: int, seq_len: int, tok_dir: str, split_json: dict, p_syn, out: mp.Queue,
-            stop) -> None:
-    # Workers never touch torch: one thread each, no OpenMP pools.
+            stop, parent: int) -> None:
+    # Workers never touch torch. They leave when told, or when the trainer is gone
+    # (a SIGKILLed trainer must not leave them running, holding the terminal).
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        out.cancel_join_thread()  # exit without flushing rows nobody will read
         tok = Tokenizer.from_dir(tok_dir)
         maker = D.RowMaker(tok, seq_len, seed, D.Split.from_json(split_json))
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent:
             ids, codes = maker.row(p_syn.value)
-            while not stop.is_set():
+            while not stop.is_set() and os.getppid() == parent:
                 try:
                     out.put((ids.astype(np.int16), codes), timeout=0.5)
                     break
@@ -310,7 +313,8 @@ class RowSource:
             self.stop = ctx.Event()
             for wid in range(workers):
                 p = ctx.Process(target=_worker, daemon=True, args=(
-                    wid, seed * 1000 + wid, seq_len, str(tok_dir), split.as_json(), self.p_syn, self.queue, self.stop))
+                    wid, seed * 1000 + wid, seq_len, str(tok_dir), split.as_json(), self.p_syn, self.queue, self.stop,
+                    os.getpid()))
                 p.start()
                 self.workers.append(p)
             self._thread = threading.Thread(target=self._pump, daemon=True)
@@ -383,10 +387,13 @@ class RowSource:
         if self.workers:
             self._running = False
             self.stop.set()
+            deadline = time.monotonic() + 3.0
             for p in self.workers:
-                p.join(timeout=2)
+                p.join(timeout=max(0.01, deadline - time.monotonic()))
+            for p in self.workers:
                 if p.is_alive():
-                    p.terminate()
+                    p.kill()
+            self.queue.cancel_join_thread()
 
 
 # ---------------------------------------------------------------------------
@@ -514,7 +521,7 @@ def plot(path: Path, history: list[dict], evals: list[dict]) -> None:
         axes[0].set_xlabel("training tokens (M)")
         axes[0].set_ylabel("cross-entropy (nats/token)")
         axes[0].set_yscale("log")
-        if series:
+        if axes[0].get_legend_handles_labels()[0]:
             axes[0].legend()
         axes[0].grid(alpha=0.3)
         for key in ("right_tool", "exact_args", "token_acc"):
@@ -523,7 +530,7 @@ def plot(path: Path, history: list[dict], evals: list[dict]) -> None:
                 axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"held-out {key} (TF)")
         axes[1].set_xlabel("training tokens (M)")
         axes[1].set_ylim(0, 1.02)
-        if evals:
+        if axes[1].get_legend_handles_labels()[0]:
             axes[1].legend()
         axes[1].grid(alpha=0.3)
         fig.tight_layout()
@@ -582,14 +589,14 @@ def parse_args(argv=None):
     p.add_argument("--shape", default="agent-8m", choices=sorted(SHAPES))
     p.add_argument("--seq-len", type=int, default=None, help="row length (default 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 65536 CUDA, 8192 CPU)")
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=250)
     p.add_argument("--decay-frac", type=float, default=0.2, help="last fraction of the budget: LR decays linearly")
     p.add_argument("--final-lr-frac", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--p-syn-start", type=float, default=0.5, help="share of synthetic copy rows during warm-up")
     p.add_argument("--p-syn-end", type=float, default=0.08, help="share after the anneal")
-    p.add_argument("--copy-acc", type=float, default=0.8, help="synthetic copy accuracy that ends the warm-up")
+    p.add_argument("--copy-acc", type=float, default=0.7, help="synthetic copy accuracy that ends the warm-up")
     p.add_argument("--warmup-max-frac", type=float, default=0.3, help="warm-up ends by this fraction of the budget")
     p.add_argument("--anneal-frac", type=float, default=0.15, help="fraction of the budget to anneal over")
     p.add_argument("--workers", type=int, default=None, help="data worker processes (default: cores - 2, max 14)")
