@@ -682,6 +682,8 @@ def _train(args, out, ckpt_path, tok, tok_md5, split, source, dev_name, cuda, se
             model.load_state_dict(ck["model"])
             opt_state = ck["optimizer"]
             state.update(ck["state"])
+            if state["phase"] != "warmup":
+                state["phase"] = "done"
             log(f"resumed {path}: step {state['step']}, {state['tokens'] / 1e6:.1f}M tokens")
     model.to(device)
     n_params = param_count(model)
@@ -797,9 +799,11 @@ def _train(args, out, ckpt_path, tok, tok_md5, split, source, dev_name, cuda, se
             log(f"warm-up over at step {state['step']} (copy accuracy {state['copy_acc']:.0%}): annealing")
         if state["phase"] == "warmup":
             p_syn = args.p_syn_start
-        else:
-            k = min(1.0, (frac - state["anneal_start"]) / max(args.anneal_frac, 1e-9))
+        elif state["phase"] == "anneal":
+            k = min(1.0, max(0.0, (frac - state["anneal_start"]) / max(args.anneal_frac, 1e-9)))
             p_syn = args.p_syn_start + k * (args.p_syn_end - args.p_syn_start)
+        else:  # a resumed run whose warm-up is over
+            p_syn = args.p_syn_end
         source.set_p_syn(p_syn)
         lr = lr_at(state["step"], frac, args)
         for g in opt.param_groups:

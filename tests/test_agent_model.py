@@ -101,3 +101,12 @@ def test_segmented_tokenization_equals_whole(tok):
     assert ids == tok.encode(r.render(messages, turn.tools))
     reply = tok.decode([i for i, c in zip(ids, codes) if c == D.ASSISTANT])
     assert reply == turn.reply_text + "<|im_end|>"
+
+
+def test_eval_script_runs_through_the_engine(trained):
+    from experiments.eval_agent_model import evaluate, report
+
+    res = evaluate(str(trained), n_turns=1, max_tokens=8, time_limit=None, seq_len=2048, progress=False)
+    assert res["turns"] == 1 and res["speculation"]["identical_outputs"]
+    assert set(res["metrics"]["all"]) >= {"valid_json", "right_tool", "exact_args"}
+    assert "speculation" in report(res)
