@@ -617,6 +617,7 @@ def plot(res: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     turns = [r["turn"] for r in res["requests"]]
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -625,6 +626,7 @@ def plot(res: dict, path: Path) -> None:
         ax.plot(turns, [t["latency_s"] for t in res["results"][s]["turns"]], marker=markers[k % len(markers)],
                 label=res["results"][s]["label"])
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("turn")
     ax.set_ylabel("turn latency (s, log)")
     a = res["args"]
