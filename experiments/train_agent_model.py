@@ -26,6 +26,22 @@ state goes to --ckpt (outside --out).
 
 The model here is a plain PyTorch Llama (autograd; model/llama.py is
 inference-only) whose parameters map one to one onto HF names.
+
+Choices:
+- Loss on every token, weighted: assistant replies 1.0, synthetic copy
+  targets 1.0, everything else (system prompt, schemas, tool results,
+  directives) 0.25. The context still teaches copying (results echo the
+  arguments, directives restate values seen earlier) and the schema format,
+  but most of it is freshly minted random ids no model can predict; at full
+  weight that noise would drown the replies, which are 3-5% of the tokens.
+- Curriculum by measurement, not by step count: synthetic rows make up
+  --p-syn-start of the batches until their copy accuracy reaches --copy-acc
+  (copying has formed) or --warmup-max-frac of the budget has passed, then
+  anneal to --p-syn-end over --anneal-frac; short synthetic documents also
+  fill the tail of every packed row.
+- LR: linear warm-up, constant, then linear decay over the last --decay-frac
+  of the time budget (the schedule follows the clock, since the budget is
+  wall time).
 """
 from __future__ import annotations
 
@@ -42,7 +58,6 @@ import shutil
 import signal
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
