@@ -21,7 +21,7 @@ DEVICE=${DEVICE:-cuda}
 EVAL_TURNS=${EVAL_TURNS:-24}
 EVAL_LIMIT=${EVAL_LIMIT:-45}
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-80}
-EVAL_THREADS=${EVAL_THREADS:-8}
+EVAL_THREADS=${EVAL_THREADS:-4}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 CKPT=${CKPT:-${TMPDIR:-/tmp}/agentkv-train-$$.resume.pt}
 
