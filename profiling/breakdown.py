@@ -23,6 +23,11 @@ more under torch.profiler.
     python -m profiling.breakdown [--shape tiny|smollm2-135m | --model DIR] [--workflow 6] [--turn 4]
         [--mode stateful|stateless] [--speculative] [--max-gen 32] [--repeats 3] [--threads 2]
 
+Cost: each measured turn (and the profiled one) replays the turns before it
+on a new engine first; on the SmolLM2-135M shape on 2 cores a turn of the
+6-turn workflow's first three takes 30-60 s to replay, so prefer an early
+--turn (2: the planner's second turn) and few --repeats there.
+
 Writes runs/breakdown-<time>/{breakdown.json, trace.json, ops.txt}.
 """
 from __future__ import annotations
@@ -34,7 +39,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -218,21 +223,22 @@ def main(argv: list[str] | None = None) -> dict:
             home = sessions.setdefault(target.agent, eng.session())  # empty on the agent's first turn
         return eng, home
 
-    def one_turn() -> tuple[float, dict]:
+    def one_turn(prof_ctx=None) -> tuple[float, dict]:
         eng, home = fresh_state()
         clock.reset()
-        start = time.perf_counter()
-        with record_function("turn"):
-            eng.chat(target.messages, tools=target.tools, session=home, max_tokens=target.gen, ignore_eos=True,
-                     speculative=args.speculative)
-        total = time.perf_counter() - start
+        with prof_ctx if prof_ctx is not None else nullcontext():
+            start = time.perf_counter()
+            with record_function("turn"):
+                eng.chat(target.messages, tools=target.tools, session=home, max_tokens=target.gen,
+                         ignore_eos=True, speculative=args.speculative)
+            total = time.perf_counter() - start
         st = eng.stats[-1]
         phases = dict(clock.seconds)
         phases["scheduling+bookkeeping"] = max(total - sum(phases.values()), 0.0)
         return total, {"phases": phases, "calls": dict(clock.calls), "tokens": dict(clock.tokens),
                        "stats": st.as_dict()}
 
-    one_turn()  # warm-up from the same state
+    # The first replay warms the model up; every measured turn starts from a fresh, identical state.
     runs = [one_turn() for _ in range(args.repeats)]
     totals = [t for t, _ in runs]
     med = {ph: statistics.median([r["phases"].get(ph, 0.0) for _, r in runs]) for ph in PHASES}
@@ -242,8 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(args.out) if args.out else run_dir("breakdown")
     out.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        one_turn()
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    one_turn(prof)  # only the target turn is inside the profiler
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
     ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)

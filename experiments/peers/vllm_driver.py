@@ -37,6 +37,11 @@ def main() -> None:
 
     torch.set_num_threads(int(spec["threads"]))
     t0 = time.perf_counter()
+    # vLLM's own defaults otherwise (chunked prefill with its default token
+    # budget per step), as a user of the LLM class gets them.
+    extra = {}
+    if spec.get("max_num_batched_tokens"):
+        extra["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     llm = LLM(
         model=spec["model"],
         dtype=spec["dtype"],
@@ -45,11 +50,14 @@ def main() -> None:
         block_size=int(spec.get("block_size", 128)),
         max_model_len=int(spec["max_model_len"]),
         max_num_seqs=1,
-        max_num_batched_tokens=int(spec.get("max_num_batched_tokens", spec["max_model_len"])),
         skip_tokenizer_init=True,
         disable_log_stats=False,
         seed=0,
+        **extra,
     )
+    config = llm.llm_engine.vllm_config.scheduler_config
+    print(f"vllm scheduler: max_num_batched_tokens={config.max_num_batched_tokens} "
+          f"chunked_prefill={getattr(config, 'enable_chunked_prefill', None)}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t0
 
     def one(ids: list[int], gen: int) -> dict:
