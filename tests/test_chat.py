@@ -13,10 +13,7 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    import os
-
-    os.environ["AGENTKV_HOME"] = str(tmp_path_factory.mktemp("agentkv-home"))
+def engine():
     return Engine.from_pretrained(num_pages=512)
 
 

@@ -7,9 +7,9 @@ from engine import Engine
 from experiments.common import random_model
 
 
-@pytest.fixture(scope="module")
-def model():
-    return random_model("tiny", torch.float32, seed=5)
+@pytest.fixture
+def model(device):
+    return random_model("tiny", torch.float32, seed=5, device=device)
 
 
 def run(model, monkeypatch, kernels: str) -> tuple[list[int], torch.Tensor]:
