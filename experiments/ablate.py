@@ -1,8 +1,10 @@
 """Where the speed comes from: persistent sessions on/off x radix prefix
 cache on/off x prompt-lookup speculation on/off, on the interleaved
 multi-agent workload (N agents sharing a system prompt and tool set, their
-turns arriving interleaved), teacher-forced replay, one engine configuration
-after another on the same weights.
+turns arriving interleaved), teacher-forced replay, on the same weights. The
+eight configurations run side by side, one engine each: every request is
+served by all eight (in rotating order) before the next, so machine noise
+falls on all of them alike.
 
   sessions on   each agent keeps a persistent session: a turn computes only
                 what its session does not hold (Engine.chat with session=).
@@ -52,31 +54,53 @@ def short(cfg: dict) -> str:
     return "".join(k[0].upper() if v else k[0] for k, v in cfg.items())  # e.g. "SRs"
 
 
-def run_config(base, cfg: dict, turns: list, gens: list[int], pages: int, desc: str) -> dict:
-    from engine import Engine
+class Runner:
+    """One engine configuration replaying the workload turn by turn."""
 
-    eng = Engine(base.model, base.tokenizer, page_size=base.pool.page_size, num_pages=pages,
-                 prefix_cache=cfg["radix"])
-    sessions: dict[str, object] = {}
-    rows = []
-    start = time.perf_counter()
-    for turn, gen in tqdm(list(zip(turns, gens)), desc=desc, unit="turn", leave=False):
-        session = sessions.setdefault(turn.agent, eng.session()) if cfg["sessions"] else None
+    def __init__(self, base, cfg: dict, pages: int):
+        from engine import Engine
+
+        self.cfg = cfg
+        self.eng = Engine(base.model, base.tokenizer, page_size=base.pool.page_size, num_pages=pages,
+                          prefix_cache=cfg["radix"])
+        self.sessions: dict[str, object] = {}
+        self.rows: list[dict] = []
+
+    def turn(self, turn, gen: int) -> None:
+        eng, cfg = self.eng, self.cfg
+        session = self.sessions.setdefault(turn.agent, eng.session()) if cfg["sessions"] else None
         t0 = time.perf_counter()
         eng.chat(turn.request, tools=turn.tools, session=session, max_tokens=gen, ignore_eos=True,
                  speculative=cfg["spec"])
         latency = time.perf_counter() - t0
         st = eng.stats[-1]
-        rows.append({"agent": turn.agent, "latency_s": latency, "prompt": st.prompt_tokens, "reused": st.reused_tokens,
-                     "computed": st.computed_tokens, "generated": st.generated_tokens, "prefill_s": st.prefill_s,
-                     "decode_s": st.decode_s, "decode_steps": st.decode_steps, "drafted": st.drafted_tokens,
-                     "accepted": st.accepted_tokens})
-    wall = time.perf_counter() - start
-    for s in sessions.values():
-        s.close()
-    del eng
+        self.rows.append({"agent": turn.agent, "latency_s": latency, "prompt": st.prompt_tokens,
+                          "reused": st.reused_tokens, "computed": st.computed_tokens,
+                          "generated": st.generated_tokens, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+                          "decode_steps": st.decode_steps, "drafted": st.drafted_tokens,
+                          "accepted": st.accepted_tokens})
+
+    def close(self) -> dict:
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+        del self.eng
+        return {"wall_s": sum(r["latency_s"] for r in self.rows), "turns": self.rows}
+
+
+def run_repeat(base, turns: list, gens: list[int], pages: int, rep: int, repeats: int) -> dict[str, dict]:
+    """All configurations side by side: each request is served by every
+    configuration before the next request (in a rotating order), so that
+    machine noise falls on all of them alike."""
+    runners = [Runner(base, c, pages) for c in CONFIGS]
+    for i, (turn, gen) in enumerate(tqdm(list(zip(turns, gens)), desc=f"requests {rep + 1}/{repeats}",
+                                         unit="req", leave=False)):
+        k = i % len(runners)
+        for r in runners[k:] + runners[:k]:
+            r.turn(turn, gen)
+    out = {name(r.cfg): r.close() for r in runners}
     gc.collect()
-    return {"wall_s": wall, "turns": rows}
+    return out
 
 
 def summarize(reps: list[dict]) -> dict:
@@ -124,8 +148,8 @@ def run(args) -> dict:
     del warm
     reps: dict[str, list[dict]] = {name(c): [] for c in CONFIGS}
     for rep in range(args.repeats):
-        for c in CONFIGS:
-            reps[name(c)].append(run_config(base, c, turns, gens, pages, f"{short(c)} {rep + 1}/{args.repeats}"))
+        for key, res in run_repeat(base, turns, gens, pages, rep, args.repeats).items():
+            reps[key].append(res)
     results = {name(c): {"config": c, **summarize(reps[name(c)])} for c in CONFIGS}
     baseline = results[name(dict(sessions=False, radix=False, spec=False))]
     for r in results.values():
