@@ -487,9 +487,11 @@ def run(args) -> dict:
     if any(s in HF_SYSTEMS for s in in_process):
         hf_model = load_hf(path, dtype)
         hf_generate(hf_model, reqs[0].ids[:256], 4)  # warm-up
+    load: dict[str, list] = {s: [] for s in ran}  # 1-minute load average before and after each pass
     for rep in range(args.repeats):
         for s in in_process:
             desc = f"{s} (repeat {rep + 1}/{args.repeats})"
+            before = os.getloadavg()[0]
             try:
                 if s in ENGINE_SYSTEMS:
                     rows, pass_s = run_engine(s, model, tokenizer, reqs, args, desc)
@@ -502,10 +504,12 @@ def run(args) -> dict:
                 continue
             wall[s].append(pass_s)
             per_repeat[s].append(rows)
+            load[s].append([before, os.getloadavg()[0]])
     del model, hf_model
     gc.collect()
     for s in [s for s in ran if s in VLLM_SYSTEMS + LLAMACPP_SYSTEMS]:
         start = time.perf_counter()
+        before = os.getloadavg()[0]
         try:
             runner = run_vllm if s in VLLM_SYSTEMS else run_llamacpp
             per_repeat[s], info[s] = runner(s, path, reqs, args, log)
@@ -515,6 +519,7 @@ def run(args) -> dict:
             continue
         wall[s] = [sum(t["latency_s"] for t in rep) for rep in per_repeat[s]]
         info[s]["process_s"] = time.perf_counter() - start
+        load[s].append([before, os.getloadavg()[0]])
 
     results = {}
     for s, reps in per_repeat.items():
@@ -535,6 +540,7 @@ def run(args) -> dict:
             "computed_tokens": sum(t["computed"] for t in turns if t["computed"] is not None),
             "decode_ms_per_token": median(decode_tok) * 1e3 if decode_tok else None,
             "info": info.get(s, {}),
+            "load_before_after": load.get(s, []),
         }
     ref = "stateful" if "stateful" in results else next(iter(results), None)
     if ref is not None:
@@ -589,7 +595,7 @@ def report(res: dict) -> str:
     lines.append("")
     ref = res["reference"]
     heads = ["system", "e2e s", "wall s", f"e2e / {ref}", f"median turn ratio vs {ref}", "ratio of median turns",
-             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree"]
+             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree", "load"]
     rows = []
     for s in systems:
         r = res["results"][s]
@@ -600,12 +606,14 @@ def report(res: dict) -> str:
                      f"{r.get('median_turn_ratio', float('nan')):.2f}x", f"{r.get('ratio_of_median_turns', float('nan')):.2f}x",
                      r["computed_tokens"], pre, dec,
                      f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-",
-                     f"{agree:.2f}" if agree is not None else "-"])
+                     f"{agree:.2f}" if agree is not None else "-",
+                     " ".join(f"{a:.1f}->{b:.1f}" for a, b in r.get("load_before_after", []))])
     lines.append(table(heads, rows))
     lines.append("")
     lines.append(f"e2e: sum of per-turn medians; wall: one pass over the workflow (median over repeats); ratios: "
                  f"system / {ref} (above 1: {ref} is faster); greedy agree: share of each turn's generated tokens "
-                 f"equal to {ref}'s, before the first difference")
+                 f"equal to {ref}'s, before the first difference; load: the 1-minute load average before and after each pass (2 cores: above 2 "
+                 f"means other work shared them)")
     lines.append(f"ran: {', '.join(systems) or 'none'}")
     for s, why in res["skipped"].items():
         lines.append(f"skipped {s}: {why}")
