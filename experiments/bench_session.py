@@ -33,12 +33,16 @@ def run(args) -> dict:
     model = random_model(args.shape, getattr(torch, args.dtype), device=args.device)
     vocab = model.cfg.vocab_size
     engine = Engine(model, None, page_size=args.page_size, kv_cache_bytes=args.kv_gb << 30)
+    # Its own engine, without a prefix cache: nothing the stateful side
+    # computed can be found again.
+    stateless = Engine(model, None, page_size=args.page_size, kv_cache_bytes=args.kv_gb << 30, stateless=True)
     rng = random.Random(args.seed)
     deltas = [[rng.randrange(vocab) for _ in range(args.new)] for _ in range(args.turns)]
     deltas[0] = [rng.randrange(vocab) for _ in range(args.prefix)] + deltas[0]
     results = {"stateful": [[] for _ in range(args.turns)], "stateless": [[] for _ in range(args.turns)]}
     decode = {"stateful": [], "stateless": []}
     prompt_lens = []
+    computed: list[tuple[int, int]] = [(0, 0)] * args.turns
     # Warm-up: one short turn of each so first-call costs are not in turn 1.
     with engine.session() as w:
         timed_turn(engine, w, deltas[0][:64], 4)
@@ -49,11 +53,12 @@ def run(args) -> dict:
         prompt_lens.clear()
         for t in range(args.turns):
             history_before = list(history)
-            s_time, s_dec, _ = timed_turn(engine, stateful, deltas[t], args.gen)
+            s_time, s_dec, s_computed = timed_turn(engine, stateful, deltas[t], args.gen)
             history = stateful.tokens
             prompt_lens.append(len(history_before) + len(deltas[t]))
-            with engine.session() as fresh:
-                f_time, f_dec, _ = timed_turn(engine, fresh, history_before + deltas[t], args.gen)
+            with stateless.session() as fresh:
+                f_time, f_dec, f_computed = timed_turn(stateless, fresh, history_before + deltas[t], args.gen)
+            computed[t] = (s_computed, f_computed)
             results["stateful"][t].append(s_time)
             results["stateless"][t].append(f_time)
             decode["stateful"].append(s_dec)
@@ -64,12 +69,12 @@ def run(args) -> dict:
     rows = []
     for t in range(args.turns):
         sf, sl = median(results["stateful"][t]), median(results["stateless"][t])
-        computed = len(deltas[t]) + (1 if t else 0)
-        rows.append([t + 1, prompt_lens[t], computed, sf * 1e3, sl * 1e3, sl / sf])
+        rows.append([t + 1, prompt_lens[t], *computed[t], sf * 1e3, sl * 1e3, sl / sf])
+    keys = ["turn", "prompt", "computed", "stateless_computed", "stateful_ms", "stateless_ms", "speedup"]
     return {
         "args": vars(args),
         "machine": machine(),
-        "turns": [dict(zip(["turn", "prompt", "computed", "stateful_ms", "stateless_ms", "speedup"], r)) for r in rows],
+        "turns": [dict(zip(keys, r)) for r in rows],
         "decode_ms_per_token": {k: median(v) * 1e3 for k, v in decode.items()},
         "end_to_end_s": {k: sum(median(x) for x in v) for k, v in results.items()},
     }
@@ -88,11 +93,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-gb", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = run_dir("bench_session")
     res = run(args)
-    rows = [[r["turn"], r["prompt"], r["computed"], r["stateful_ms"], r["stateless_ms"], f"{r['speedup']:.2f}x"] for r in res["turns"]]
-    print(table(["turn", "prompt", "computed", "stateful ms", "stateless ms", "speed-up"], rows))
+    rows = [[r["turn"], r["prompt"], r["computed"], r["stateless_computed"], r["stateful_ms"], r["stateless_ms"],
+             f"{r['speedup']:.2f}x"] for r in res["turns"]]
+    print(table(["turn", "prompt", "computed", "stateless computed", "stateful ms", "stateless ms", "speed-up"], rows))
     speedups = [r["speedup"] for r in res["turns"]]
     print(f"median speed-up {median(speedups):.2f}x; end to end: stateful {res['end_to_end_s']['stateful']:.1f} s, "
           f"stateless {res['end_to_end_s']['stateless']:.1f} s; decode ms/token: "
