@@ -247,7 +247,7 @@ def test_disconnect_mid_stream_leaks_nothing(server):
     client = server.client()
     bystander_alone = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     body = {"model": MODEL, "messages": USER, "stream": True, "max_tokens": 300, "temperature": 1.0, "seed": 1,
-            "session_id": "dropped"}
+            "session_id": "dropped", "ignore_eos": True}
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()

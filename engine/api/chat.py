@@ -156,7 +156,8 @@ def _run(
         max_tokens = api.max_tokens(len(prompt), requested)
         result = api.engine.chat(
             messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
-            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(), on_tokens=on_tokens,
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
+            ignore_eos=body.ignore_eos, on_tokens=on_tokens,
         )
         latency = time.perf_counter() - start
         api.metrics.observe_turn(latency)

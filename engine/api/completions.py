@@ -85,7 +85,7 @@ def _run(api: ApiState, body: CompletionRequest, on_tokens: OnTokens) -> Generat
         session.turn.prompt_tokens = len(prompt)
         ids = session.generate(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            stop=body.stops(), on_tokens=on_tokens,
+            stop=body.stops(), ignore_eos=body.ignore_eos, on_tokens=on_tokens,
         )
     api.metrics.observe_turn(time.perf_counter() - start)
     return Generated(len(prompt), cached, ids)

@@ -110,6 +110,8 @@ class Sampling(RequestBody):
     user: str | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    # An extra sampling field, as vLLM accepts it: generate past EOS (benchmarks).
+    ignore_eos: bool = False
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
