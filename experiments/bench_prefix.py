@@ -44,9 +44,13 @@ def run_mode(base: Engine, kwargs: dict, workflow, gen: int, pages: int) -> dict
     computed = ideal = 0
     peak_live = 0
     start = time.perf_counter()
+    ended: set[str] = set()  # agents whose history outgrew the model's context
     for turn in tqdm(list(workflow.turns()), desc=next(k for k, v in MODES.items() if v == kwargs), leave=False):
-        s = sessions.setdefault(turn.agent, engine.session())
         prompt = engine.tokenizer.apply_chat_template(turn.request, tools=turn.tools)
+        if turn.agent in ended or len(prompt) + gen > engine.max_context:
+            ended.add(turn.agent)
+            continue
+        s = sessions.setdefault(turn.agent, engine.session())
         if turn.agent not in first_prompts:
             # Ideal: what no other agent has already computed.
             seen = max((shared_prefix(prompt, p) for p in first_prompts.values()), default=0)
@@ -72,6 +76,7 @@ def run_mode(base: Engine, kwargs: dict, workflow, gen: int, pages: int) -> dict
         "pool_pages_used": engine.pool.num_used,
         "seconds": elapsed,
         "shared_prefix_tokens": common,
+        "agents_ended_at_context": sorted(ended),
         "cache": engine.cache_stats(),
     }
     for s in sessions.values():
@@ -98,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(table(["mode", "computed", "ideal", "ratio", "live pages", "ideal pages", "pool used", "seconds"], rows))
     shared = next(iter(results.values()))["shared_prefix_tokens"]
-    print(f"{args.agents} agents x {args.turns} turns; shared prefix {shared} tokens; page size {base.pool.page_size}")
+    ended = next(iter(results.values()))["agents_ended_at_context"]
+    print(f"{args.agents} agents x {args.turns} turns; shared prefix {shared} tokens; page size {base.pool.page_size}; "
+          f"agents stopped early at the model's context: {', '.join(ended) or 'none'}")
     out = run_dir("bench_prefix")
     write_json(out / "results.json", {"args": vars(args), "machine": machine(), "results": results})
     print(f"wrote {out}/results.json")
