@@ -46,11 +46,16 @@ project's tokenizer under runs/checkpoints/ (its max_position_embeddings is
 raised to 32768: the 35-turn workflow's prompts reach 28k tokens), or --model
 DIR (e.g. the trained agent model).
 
-Timing: one warm-up request per system, then --repeats passes over the
-workflow (repeats of the in-process systems are interleaved; vLLM and
-llama.cpp run theirs back to back in their subprocess); each system starts
-every pass from an empty cache. Per turn the median over repeats is reported;
-"e2e" is the sum of the per-turn medians. Ratios are system / stateful.
+Timing: every system is started (weights loaded, one warm-up request)
+before any timed turn; vLLM and llama.cpp stay up in their subprocesses and
+are served turn by turn over JSON lines. Then --repeats passes over the
+workflow, each system starting every pass from empty caches; within a pass
+every request is served by every system, in an order that rotates from turn
+to turn, before the next request, so that a busy spell on the shared cores
+falls on all systems alike. Per turn the median over repeats is reported;
+"e2e" is the sum of the per-turn medians. Ratios are system / stateful. All
+systems are resident at once: mind the memory (SmolLM2 shape, 6-turn, all
+nine systems: about 12 GB).
 
 Cost on 2 cores (SmolLM2-135M shape, fp32): prefill runs at roughly
 3-5 ms a token, so a stateless system re-prefilling a 15k-token history takes
@@ -215,21 +220,31 @@ def turn_row(latency, prefill=None, decode=None, computed=None, reused=None, gen
 
 
 # ---------------------------------------------------------------------------
-# The engine: stateful, stateless, block
+# Systems. Each serves the workflow turn by turn: begin() starts a pass from
+# empty caches, turn(req) serves one request and returns its row, end()
+# finishes the pass, close() frees everything.
 
 
-def engine_pages(reqs: list[Request], page_size: int) -> int:
+class System:
+    name: str
+    info: dict
+
+    def begin(self) -> None: ...
+
+    def turn(self, r: "Request") -> dict: ...
+
+    def end(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def engine_pages(reqs: list[Request], page_size: int, kind: str = "stateful") -> int:
+    if kind == "stateless":  # one temporary session at a time
+        return max(len(r.ids) + r.gen for r in reqs) // page_size + 64
     # Room for every agent's session plus half as much again for published
     # prefixes (the radix keeps generated tails until evicted; it evicts
     # least recently used ones under pressure), and slack.
     return 3 * (kv_tokens_needed(reqs) // page_size + len(reqs)) // 2 + 64
-
-
-def make_engine(kind: str, model, tokenizer, pages: int, page_size: int):
-    from engine import Engine
-
-    return Engine(model, tokenizer, page_size=page_size, num_pages=pages, stateless=kind == "stateless",
-                  prefix_cache=kind != "stateless", prefix_match="block" if kind == "block" else "token")
 
 
 def warm_engine(model, tokenizer, reqs: list[Request], page_size: int) -> None:
@@ -241,33 +256,50 @@ def warm_engine(model, tokenizer, reqs: list[Request], page_size: int) -> None:
         s.generate(max_tokens=4, ignore_eos=True, speculative=False)
 
 
-def run_engine(kind: str, model, tokenizer, reqs: list[Request], args, desc: str) -> tuple[list[dict], float]:
-    """One pass over the workflow on a new engine; (per-turn rows, wall seconds of the pass)."""
-    eng = make_engine(kind, model, tokenizer, engine_pages(reqs, args.page_size), args.page_size)
-    sessions: dict[str, object] = {}
-    rows = []
-    begin = time.perf_counter()
-    try:
-        for r in tqdm(reqs, desc=desc, unit="turn", leave=False):
-            session = sessions.setdefault(r.agent, eng.session()) if kind == "stateful" else None
-            start = time.perf_counter()
-            res = eng.chat(r.messages, tools=r.tools, session=session, max_tokens=r.gen, ignore_eos=True,
-                           speculative=args.speculative)
-            latency = time.perf_counter() - start
-            st = eng.stats[-1]
-            if res.usage["prompt_tokens"] != len(r.ids):
-                raise RuntimeError(f"turn {r.index + 1}: the engine rendered {res.usage['prompt_tokens']} tokens, "
-                                   f"the shared rendering {len(r.ids)}")
-            rows.append(turn_row(latency, st.prefill_s, st.decode_s, st.computed_tokens, st.reused_tokens,
-                                 st.generated_tokens, decode_steps=st.decode_steps, drafted=st.drafted_tokens,
-                                 accepted=st.accepted_tokens, token_ids=list(res.token_ids)))
-        wall = time.perf_counter() - begin
-    finally:
-        for s in sessions.values():
+class EngineSystem(System):
+    """The engine through its public chat API: stateful (a persistent session
+    per agent), stateless (stateless=True), block (block-hash prefix caching,
+    a fresh session per request)."""
+
+    def __init__(self, kind: str, model, tokenizer, reqs: list[Request], args):
+        self.name, self.model, self.tokenizer, self.args = kind, model, tokenizer, args
+        self.pages = engine_pages(reqs, args.page_size, kind)
+        self.info = {"pages": self.pages, "page_size": args.page_size}
+        self.eng = None
+        self.sessions: dict[str, object] = {}
+
+    def begin(self) -> None:
+        from engine import Engine
+
+        self.end()
+        kind = self.name
+        self.eng = Engine(self.model, self.tokenizer, page_size=self.args.page_size, num_pages=self.pages,
+                          stateless=kind == "stateless", prefix_cache=kind != "stateless",
+                          prefix_match="block" if kind == "block" else "token")
+
+    def turn(self, r: Request) -> dict:
+        eng = self.eng
+        session = self.sessions.setdefault(r.agent, eng.session()) if self.name == "stateful" else None
+        start = time.perf_counter()
+        res = eng.chat(r.messages, tools=r.tools, session=session, max_tokens=r.gen, ignore_eos=True,
+                       speculative=self.args.speculative)
+        latency = time.perf_counter() - start
+        st = eng.stats[-1]
+        if res.usage["prompt_tokens"] != len(r.ids):
+            raise RuntimeError(f"turn {r.index + 1}: the engine rendered {res.usage['prompt_tokens']} tokens, "
+                               f"the shared rendering {len(r.ids)}")
+        return turn_row(latency, st.prefill_s, st.decode_s, st.computed_tokens, st.reused_tokens,
+                        st.generated_tokens, decode_steps=st.decode_steps, drafted=st.drafted_tokens,
+                        accepted=st.accepted_tokens, token_ids=list(res.token_ids))
+
+    def end(self) -> None:
+        for s in self.sessions.values():
             s.close()
-        del eng
+        self.sessions.clear()
+        self.eng = None
         gc.collect()
-    return rows, wall
+
+    close = end
 
 
 # ---------------------------------------------------------------------------
@@ -320,34 +352,43 @@ def hf_generate(model, ids: list[int], gen: int, cache=None) -> tuple[list[int],
     return out[0, len(ids):].tolist(), end - start, first - start, end - first
 
 
-def run_hf(kind: str, model, reqs: list[Request], args, desc: str) -> tuple[list[dict], float]:
-    from transformers import DynamicCache
+class HFSystem(System):
+    """HF generate: stateless (hf), or with a DynamicCache per agent cropped
+    to the longest common prefix with each new prompt (hf-reuse)."""
 
-    caches: dict[str, tuple[object, list[int]]] = {}
-    rows = []
-    begin = time.perf_counter()
-    for r in tqdm(reqs, desc=desc, unit="turn", leave=False):
+    def __init__(self, kind: str, model):
+        self.name, self.model, self.info = kind, model, {}
+        self.caches: dict[str, tuple[object, list[int]]] = {}
+
+    def begin(self) -> None:
+        self.end()
+
+    def turn(self, r: Request) -> dict:
+        from transformers import DynamicCache
+
         cache, reused = None, 0
-        if kind == "hf-reuse":
-            cache, held = caches.get(r.agent, (None, []))
+        if self.name == "hf-reuse":
+            cache, held = self.caches.get(r.agent, (None, []))
             if cache is None:
-                cache = DynamicCache(config=model.config)
+                cache = DynamicCache(config=self.model.config)
             else:
                 reused = min(common_prefix(held, r.ids), len(r.ids) - 1)
                 if len(held) > reused:
                     cache.crop(reused - len(held))  # a negative count removes that many tokens from the end
-        new, latency, prefill, decode = hf_generate(model, r.ids, r.gen, cache)
-        if kind == "hf-reuse":
+        new, latency, prefill, decode = hf_generate(self.model, r.ids, r.gen, cache)
+        if self.name == "hf-reuse":
             # The cache holds the prompt and every generated token but the last.
             held = r.ids + new[:-1]
             if cache.get_seq_length() != len(held):
                 raise RuntimeError(f"HF cache holds {cache.get_seq_length()} tokens, expected {len(held)}")
-            caches[r.agent] = (cache, held)
-        rows.append(turn_row(latency, prefill, decode, len(r.ids) - reused, reused, len(new), token_ids=new))
-    wall = time.perf_counter() - begin
-    caches.clear()
-    gc.collect()
-    return rows, wall
+            self.caches[r.agent] = (cache, held)
+        return turn_row(latency, prefill, decode, len(r.ids) - reused, reused, len(new), token_ids=new)
+
+    def end(self) -> None:
+        self.caches.clear()
+        gc.collect()
+
+    close = end
 
 
 # ---------------------------------------------------------------------------
@@ -382,40 +423,63 @@ def llamacpp_status() -> str | None:
     return None
 
 
-def run_subprocess_peer(cmd: list[str], env: dict, spec: dict, desc: str, log: Path, timeout: float | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        total = len(spec["requests"]) * spec["repeats"]
-        bar = tqdm(total=total, desc=desc, unit="turn", leave=False)
-        with open(log, "a") as logf:
-            logf.write(f"\n=== {desc}: {' '.join(cmd)}\n")
-            logf.flush()
-            proc = subprocess.Popen(cmd + [str(spec_path), str(out_path)], env=env, stdout=logf,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            start = time.monotonic()
-            for line in proc.stderr:
-                logf.write(line)
-                if " turn " in line and line.lstrip().startswith(("vllm", "llamacpp")):
-                    bar.update()
-                if timeout is not None and time.monotonic() - start > timeout:
-                    proc.kill()
-                    break
-            proc.wait()
-        bar.close()
-        if proc.returncode or not out_path.is_file():
-            raise RuntimeError(f"{desc} exited with {proc.returncode}; see {log}")
-        return json.loads(out_path.read_text())
+class PeerSystem(System):
+    """A peer in its own venv, served turn by turn over JSON lines
+    (experiments/peers/*_driver.py); its stderr goes to the run's peers.log."""
+
+    def __init__(self, kind: str, cmd: list[str], env: dict, spec: dict, log: Path, timeout: float | None):
+        self.name, self.timeout = kind, timeout
+        self.logf = open(log, "a")
+        self.logf.write(f"\n=== {kind}: {' '.join(cmd)}\n")
+        self.logf.flush()
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.logf, text=True, cwd=ROOT, bufsize=1)
+        start = time.perf_counter()
+        self.info = self._call(spec, timeout=None)
+        self.info["startup_s"] = time.perf_counter() - start
+        if not self.info.get("ready"):
+            raise RuntimeError(f"{kind} did not start: {self.info}")
+
+    def _call(self, msg: dict, timeout: float | None = -1.0) -> dict:
+        import select
+
+        timeout = self.timeout if timeout == -1.0 else timeout
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        if timeout is not None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:
+                self.proc.kill()
+                raise TimeoutError(f"{self.name} gave no answer in {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited with {self.proc.wait()}; see {self.logf.name}")
+        out = json.loads(line)
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}")
+        return out
+
+    def begin(self) -> None:
+        self._call({"op": "begin"})
+
+    def turn(self, r: Request) -> dict:
+        t = self._call({"op": "turn", "ids": r.ids, "gen": r.gen, "agent": r.agent})
+        reused = t.get("cached_tokens", t.get("reused", 0))
+        return turn_row(t["latency_s"], t["prefill_s"], t["decode_s"], len(r.ids) - reused, reused,
+                        t["generated"], token_ids=t.get("token_ids"))
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self._call({"op": "quit"}, timeout=60)
+                self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - a peer that will not quit is killed
+            self.proc.kill()
+        self.logf.close()
 
 
-def peer_spec(path: Path, reqs: list[Request], args, **extra) -> dict:
-    return {"model": str(path), "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
-            "max_model_len": max(len(r.ids) + r.gen for r in reqs) + 16,
-            "requests": [{"ids": r.ids, "gen": r.gen, "agent": r.agent} for r in reqs], **extra}
-
-
-def run_vllm(kind: str, path: Path, reqs: list[Request], args, log: Path) -> tuple[list[list[dict]], dict]:
-    # KV room for every agent's context (APC keeps them), in fp32 or the run's dtype.
+def vllm_system(kind: str, path: Path, reqs: list[Request], args, log: Path) -> PeerSystem:
+    # KV room for every agent's context (APC keeps them), in the run's dtype.
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * torch.finfo(
@@ -424,25 +488,27 @@ def run_vllm(kind: str, path: Path, reqs: list[Request], args, log: Path) -> tup
     iomp = str(next(VLLM_VENV.glob("lib/libiomp5.so")))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "TOKENIZERS_PARALLELISM": "false"}
-    spec = peer_spec(path, reqs, args, apc=kind == "vllm-apc", block_size=128, kv_gb=kv_gb)
-    out = run_subprocess_peer([str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
-                              env, spec, LABELS[kind], log, args.peer_timeout)
-    rows = [[turn_row(t["latency_s"], t["prefill_s"], t["decode_s"], len(r.ids) - t["cached_tokens"],
-                      t["cached_tokens"], t["generated"], token_ids=t.get("token_ids"))
-             for t, r in zip(rep, reqs)] for rep in out["repeats"]]
-    return rows, {k: v for k, v in out.items() if k != "repeats"} | {"kv_gb": kv_gb}
+    spec = {"model": str(path), "dtype": args.dtype, "threads": args.threads, "apc": kind == "vllm-apc",
+            "block_size": 128, "max_model_len": max(len(r.ids) + r.gen for r in reqs) + 16,
+            "warmup_ids": reqs[0].ids[:256]}
+    peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
+                      env, spec, log, args.peer_timeout)
+    peer.info["kv_gb"] = kv_gb
+    return peer
 
 
-def run_llamacpp(kind: str, path: Path, reqs: list[Request], args, log: Path) -> tuple[list[list[dict]], dict]:
+def llamacpp_system(kind: str, path: Path, reqs: list[Request], args, log: Path) -> PeerSystem:
+    keep = kind == "llamacpp-keep"
+    ctx_len: dict[str, int] = {}
+    for r in reqs:
+        key = r.agent if keep else "all"
+        ctx_len[key] = max(ctx_len.get(key, 0), len(r.ids) + r.gen + 16)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    spec = peer_spec(path, reqs, args, keep=kind == "llamacpp-keep",
-                     gguf_type={"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype])
-    out = run_subprocess_peer([str(LLAMACPP_VENV / "bin" / "python"),
-                               str(ROOT / "experiments/peers/llamacpp_driver.py")],
-                              env, spec, LABELS[kind], log, args.peer_timeout)
-    rows = [[turn_row(t["latency_s"], t["prefill_s"], t["decode_s"], len(r.ids) - t["reused"], t["reused"],
-                      t["generated"], token_ids=t.get("token_ids")) for t, r in zip(rep, reqs)] for rep in out["repeats"]]
-    return rows, {k: v for k, v in out.items() if k != "repeats"}
+    spec = {"model": str(path), "threads": args.threads, "keep": keep, "ctx_len": ctx_len,
+            "gguf_type": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype],
+            "warmup_ids": reqs[0].ids[:64]}
+    return PeerSystem(kind, [str(LLAMACPP_VENV / "bin" / "python"),
+                             str(ROOT / "experiments/peers/llamacpp_driver.py")], env, spec, log, args.peer_timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -471,55 +537,72 @@ def run(args) -> dict:
         why = vllm_status() if s in VLLM_SYSTEMS else llamacpp_status() if s in LLAMACPP_SYSTEMS else None
         if why:
             skipped[s] = why
-    ran = [s for s in systems if s not in skipped]
-    per_repeat: dict[str, list[list[dict]]] = {s: [] for s in ran}
-    wall: dict[str, list[float]] = {s: [] for s in ran}
-    info: dict[str, dict] = {}
     dtype = getattr(torch, args.dtype)
 
-    in_process = [s for s in ran if s in ENGINE_SYSTEMS + HF_SYSTEMS]
+    # Start every system (load weights, warm up) before any timed turn.
+    live: list[System] = []
     model = hf_model = None
-    if any(s in ENGINE_SYSTEMS for s in in_process):
-        from model.loader import load_model
+    for s in [s for s in systems if s not in skipped]:
+        try:
+            if s in ENGINE_SYSTEMS:
+                if model is None:
+                    from model.loader import load_model
 
-        model = load_model(path, dtype)
-        warm_engine(model, tokenizer, reqs, args.page_size)
-    if any(s in HF_SYSTEMS for s in in_process):
-        hf_model = load_hf(path, dtype)
-        hf_generate(hf_model, reqs[0].ids[:256], 4)  # warm-up
-    load: dict[str, list] = {s: [] for s in ran}  # 1-minute load average before and after each pass
+                    model = load_model(path, dtype)
+                    warm_engine(model, tokenizer, reqs, args.page_size)
+                live.append(EngineSystem(s, model, tokenizer, reqs, args))
+            elif s in HF_SYSTEMS:
+                if hf_model is None:
+                    hf_model = load_hf(path, dtype)
+                    hf_generate(hf_model, reqs[0].ids[:256], 4)  # warm-up
+                live.append(HFSystem(s, hf_model))
+            elif s in VLLM_SYSTEMS:
+                live.append(vllm_system(s, path, reqs, args, log))
+            else:
+                live.append(llamacpp_system(s, path, reqs, args, log))
+        except Exception as e:  # a system that fails to start is reported, not fatal to the others
+            skipped[s] = f"failed to start: {type(e).__name__}: {e}"
+
+    # Every request is served by every system (in an order that rotates from
+    # turn to turn) before the next request, so that machine noise falls on
+    # all of them alike rather than on whichever ran during a busy spell.
+    per_repeat: dict[str, list[list[dict]]] = {x.name: [] for x in live}
+    wall: dict[str, list[float]] = {x.name: [] for x in live}
+    load: dict[str, list[float]] = {x.name: [] for x in live}  # 1-minute load average before each of its turns
+    bar = tqdm(total=args.repeats * len(reqs) * len(live), desc="turns x systems", unit="turn")
     for rep in range(args.repeats):
-        for s in in_process:
-            desc = f"{s} (repeat {rep + 1}/{args.repeats})"
-            before = os.getloadavg()[0]
+        active = []
+        for x in live:
             try:
-                if s in ENGINE_SYSTEMS:
-                    rows, pass_s = run_engine(s, model, tokenizer, reqs, args, desc)
-                else:
-                    rows, pass_s = run_hf(s, hf_model, reqs, args, desc)
-            except Exception as e:  # a system that fails is reported, not fatal to the others
-                skipped[s] = f"failed: {type(e).__name__}: {e}"
-                per_repeat.pop(s, None)
-                in_process = [x for x in in_process if x != s]
-                continue
-            wall[s].append(pass_s)
-            per_repeat[s].append(rows)
-            load[s].append([before, os.getloadavg()[0]])
+                x.begin()
+                active.append(x)
+                per_repeat[x.name].append([])
+            except Exception as e:  # noqa: BLE001
+                skipped[x.name] = f"failed: {type(e).__name__}: {e}"
+        for i, r in enumerate(reqs):
+            k = i % max(len(active), 1)
+            for x in active[k:] + active[:k]:
+                bar.set_postfix_str(f"repeat {rep + 1} turn {i + 1} {x.name}")
+                load[x.name].append(os.getloadavg()[0])
+                try:
+                    per_repeat[x.name][-1].append(x.turn(r))
+                except Exception as e:  # noqa: BLE001 - a system that fails drops out, the others go on
+                    skipped[x.name] = f"failed at turn {i + 1}: {type(e).__name__}: {e}"
+                bar.update()
+            active = [x for x in active if x.name not in skipped]
+        for x in active:
+            wall[x.name].append(sum(t["latency_s"] for t in per_repeat[x.name][-1]))
+            x.end()
+    bar.close()
+    info = {x.name: x.info for x in live}
+    for x in live:
+        try:
+            x.close()
+        except Exception:  # noqa: BLE001
+            pass
     del model, hf_model
     gc.collect()
-    for s in [s for s in ran if s in VLLM_SYSTEMS + LLAMACPP_SYSTEMS]:
-        start = time.perf_counter()
-        before = os.getloadavg()[0]
-        try:
-            runner = run_vllm if s in VLLM_SYSTEMS else run_llamacpp
-            per_repeat[s], info[s] = runner(s, path, reqs, args, log)
-        except Exception as e:
-            skipped[s] = f"failed: {type(e).__name__}: {e}"
-            per_repeat.pop(s, None)
-            continue
-        wall[s] = [sum(t["latency_s"] for t in rep) for rep in per_repeat[s]]
-        info[s]["process_s"] = time.perf_counter() - start
-        load[s].append([before, os.getloadavg()[0]])
+    per_repeat = {k: v for k, v in per_repeat.items() if k not in skipped}
 
     results = {}
     for s, reps in per_repeat.items():
@@ -540,7 +623,7 @@ def run(args) -> dict:
             "computed_tokens": sum(t["computed"] for t in turns if t["computed"] is not None),
             "decode_ms_per_token": median(decode_tok) * 1e3 if decode_tok else None,
             "info": info.get(s, {}),
-            "load_before_after": load.get(s, []),
+            "load_avg_1min": {"median": median(load.get(s, [])), "max": max(load.get(s, []), default=None)},
         }
     ref = "stateful" if "stateful" in results else next(iter(results), None)
     if ref is not None:
@@ -595,7 +678,7 @@ def report(res: dict) -> str:
     lines.append("")
     ref = res["reference"]
     heads = ["system", "e2e s", "wall s", f"e2e / {ref}", f"median turn ratio vs {ref}", "ratio of median turns",
-             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree", "load"]
+             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree", "load med/max"]
     rows = []
     for s in systems:
         r = res["results"][s]
@@ -607,13 +690,13 @@ def report(res: dict) -> str:
                      r["computed_tokens"], pre, dec,
                      f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-",
                      f"{agree:.2f}" if agree is not None else "-",
-                     " ".join(f"{a:.1f}->{b:.1f}" for a, b in r.get("load_before_after", []))])
+                     f"{r['load_avg_1min']['median']:.1f} / {r['load_avg_1min']['max']:.1f}"])
     lines.append(table(heads, rows))
     lines.append("")
     lines.append(f"e2e: sum of per-turn medians; wall: one pass over the workflow (median over repeats); ratios: "
                  f"system / {ref} (above 1: {ref} is faster); greedy agree: share of each turn's generated tokens "
-                 f"equal to {ref}'s, before the first difference; load: the 1-minute load average before and after each pass (2 cores: above 2 "
-                 f"means other work shared them)")
+                 f"equal to {ref}'s, before the first difference; load: the 1-minute load average before each of its turns, median / max (2 cores: "
+                 f"above 2 means other work shared them)")
     lines.append(f"ran: {', '.join(systems) or 'none'}")
     for s, why in res["skipped"].items():
         lines.append(f"skipped {s}: {why}")

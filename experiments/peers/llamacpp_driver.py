@@ -1,21 +1,25 @@
-"""Drive llama.cpp (llama-cpp-python) over pre-rendered token ids and report
-per-turn times as JSON. Runs inside .venv-llamacpp
-(experiments/peers/setup_llamacpp.sh), as a subprocess of
-experiments.bench_turns.
+"""Serve llama.cpp (llama-cpp-python) turn by turn over pre-rendered token
+ids, for experiments.bench_turns. Runs inside .venv-llamacpp
+(experiments/peers/setup_llamacpp.sh) as a subprocess.
 
-    .venv-llamacpp/bin/python experiments/peers/llamacpp_driver.py IN.json OUT.json
+    .venv-llamacpp/bin/python experiments/peers/llamacpp_driver.py < requests > replies
 
-IN.json: {"model": dir, "gguf_type": "f32", "threads": 2, "keep": true,
-          "repeats": 1, "requests": [{"ids": [...], "gen": 12, "agent": "planner"}, ...]}
-OUT.json: {"llama_cpp": version, "gguf": path, "repeats": [[{"latency_s",
-          "prefill_s", "decode_s", "reused", "generated"}, ...], ...]}
+Protocol: JSON lines. The first line in is the spec {"model": dir,
+"gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
+"warmup_ids": [...]}; the driver converts the checkpoint to GGUF if needed,
+warms up and answers {"ready": true, ...}. Then each line is one of
+  {"op": "begin"}   a new pass over the workflow: drop every context
+  {"op": "turn", "ids": [...], "gen": n, "agent": a}  one request; answers
+                    {"latency_s", "prefill_s", "decode_s", "reused", "generated", "token_ids"}
+  {"op": "quit"}
 
 keep: one llama.cpp context per agent; Llama.generate reuses the longest
 common prefix of the context's tokens and the new prompt (llama.cpp's
 built-in KV reuse across calls) and evaluates only the rest. Without keep:
 one context, reset before every turn. Greedy (temp 0, top_k 1), exactly
-`gen` tokens (EOS is not checked by Llama.generate), KV cache in the GGUF's
-precision. prefill_s is the time to the first token, decode_s the rest.
+`gen` tokens (Llama.generate does not stop at EOS), KV cache in the GGUF's
+precision. prefill_s is the time to the first token, decode_s the rest. A
+context is created (its KV allocated) before the timed call.
 
 The checkpoint is converted to DIR/model-<type>.gguf on first use with the
 converter from llama-cpp-python's source (see setup_llamacpp.sh), with the
@@ -57,7 +61,7 @@ def ensure_gguf(model_dir: Path, gguf_type: str) -> Path:
     out = model_dir / f"model-{gguf_type}.gguf"
     if out.is_file():
         return out
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     code = CONVERT.format(src=str(SRC), gguf_py=str(SRC / "gguf-py"),
                           argv=[str(model_dir), "--outtype", gguf_type, "--outfile", str(tmp)])
     subprocess.run([sys.executable, "-c", code], check=True, stdout=sys.stderr)
@@ -75,19 +79,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    reply_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def reply(obj: dict) -> None:
+        reply_out.write(json.dumps(obj) + "\n")
+        reply_out.flush()
+
+    spec = json.loads(sys.stdin.readline())
     import llama_cpp
     from llama_cpp import Llama
 
-    gguf = ensure_gguf(Path(spec["model"]), spec.get("gguf_type", "f32"))
-    kv_type = {"f32": 0, "f16": 1, "bf16": 30}[spec.get("gguf_type", "f32")]
+    gguf_type = spec.get("gguf_type", "f32")
+    gguf = ensure_gguf(Path(spec["model"]), gguf_type)
+    kv_type = {"f32": 0, "f16": 1, "bf16": 30}[gguf_type]
     threads = int(spec["threads"])
-    reqs = spec["requests"]
     keep = bool(spec["keep"])
-    ctx_len: dict[str, int] = {}
-    for r in reqs:
-        key = r["agent"] if keep else "all"
-        ctx_len[key] = max(ctx_len.get(key, 0), len(r["ids"]) + r["gen"] + 16)
+    ctx_len: dict[str, int] = spec["ctx_len"]
 
     def new_context(n_ctx: int) -> Llama:
         return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
@@ -104,32 +112,34 @@ def main() -> None:
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if first is None:
                 first = time.perf_counter()
-            out.append(tok)
+            out.append(int(tok))
             if len(out) >= gen:
                 break
         end = time.perf_counter()
         return {"latency_s": end - start, "prefill_s": first - start, "decode_s": end - first, "reused": reused,
-                "generated": len(out), "token_ids": [int(t) for t in out]}
+                "generated": len(out), "token_ids": out}
 
-    # Warm-up on a throwaway context.
     warm = new_context(512)
-    one(warm, reqs[0]["ids"][:64], 4)
+    one(warm, spec["warmup_ids"], 4)
     del warm
-    repeats = []
-    for rep in range(int(spec["repeats"])):
-        contexts: dict[str, Llama] = {}
-        rows = []
-        for i, r in enumerate(reqs):
-            key = r["agent"] if keep else "all"
+    reply({"ready": True, "llama_cpp": llama_cpp.__version__, "gguf": str(gguf), "threads": threads})
+    contexts: dict[str, Llama] = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg["op"]
+        if op == "turn":
+            key = msg["agent"] if keep else "all"
             if key not in contexts:
-                contexts[key] = new_context(ctx_len[key])
-            rows.append(one(contexts[key], r["ids"], r["gen"]))
-            print(f"llamacpp keep={keep} repeat {rep + 1} turn {i + 1}/{len(reqs)}: {rows[-1]['latency_s']:.3f} s, "
-                  f"reused {rows[-1]['reused']}", file=sys.stderr, flush=True)
-        repeats.append(rows)
-        contexts.clear()
-    json.dump({"llama_cpp": llama_cpp.__version__, "gguf": str(gguf), "threads": threads, "repeats": repeats},
-              open(sys.argv[2], "w"), indent=1)
+                contexts[key] = new_context(int(ctx_len[key]))
+            reply(one(contexts[key], msg["ids"], int(msg["gen"])))
+        elif op == "begin":
+            contexts.clear()
+            reply({"ok": True})
+        elif op == "quit":
+            reply({"ok": True})
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
 
 
 if __name__ == "__main__":

