@@ -18,6 +18,7 @@ import time
 from tqdm import tqdm
 
 from engine import Engine
+from engine.engine import common_prefix_len
 from experiments.common import machine, run_dir, table, write_json
 from experiments.workloads import interleaved_run
 
@@ -26,15 +27,6 @@ MODES = {
     "radix (block)": dict(prefix_cache=True, prefix_match="block"),
     "no prefix cache": dict(prefix_cache=False),
 }
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_mode(base: Engine, kwargs: dict, workflow, gen: int, pages: int) -> dict:
@@ -53,18 +45,18 @@ def run_mode(base: Engine, kwargs: dict, workflow, gen: int, pages: int) -> dict
         s = sessions.setdefault(turn.agent, engine.session())
         if turn.agent not in first_prompts:
             # Ideal: what no other agent has already computed.
-            seen = max((shared_prefix(prompt, p) for p in first_prompts.values()), default=0)
+            seen = max((common_prefix_len(prompt, p) for p in first_prompts.values()), default=0)
             ideal += len(prompt) - seen
             first_prompts[turn.agent] = prompt
         else:
-            ideal += len(prompt) - shared_prefix(prompt, s.tokens)
+            ideal += len(prompt) - common_prefix_len(prompt, s.tokens)
         engine.chat(turn.request, tools=turn.tools, session=s, max_tokens=gen, ignore_eos=True, speculative=False)
         computed += engine.stats[-1].computed_tokens
         live = {p for x in sessions.values() for p in x.table.pages}
         peak_live = max(peak_live, len(live))
     elapsed = time.perf_counter() - start
     ps = engine.pool.page_size
-    common = min(shared_prefix(p, q) for p in first_prompts.values() for q in first_prompts.values() if p is not q)
+    common = min(common_prefix_len(p, q) for p in first_prompts.values() for q in first_prompts.values() if p is not q)
     ideal_pages = -(-common // ps) + sum(-(-(len(s.table.pages) * ps - common) // ps) for s in sessions.values())
     live_pages = len({p for x in sessions.values() for p in x.table.pages})
     result = {
