@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -504,8 +505,12 @@ def llamacpp_system(kind: str, path: Path, reqs: list[Request], args, log: Path)
         key = r.agent if keep else "all"
         ctx_len[key] = max(ctx_len.get(key, 0), len(r.ids) + r.gen + 16)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    spec = {"model": str(path), "threads": args.threads, "keep": keep, "ctx_len": ctx_len,
-            "gguf_type": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype],
+    gguf_type = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[args.dtype]
+    # Converted once per checkpoint, kept out of the checkpoint's own folder (it may be tracked).
+    tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+    gguf = ROOT / "runs" / "gguf" / f"{path.resolve().name}-{tag}-{gguf_type}.gguf"
+    spec = {"model": str(path), "threads": args.threads, "keep": keep, "ctx_len": ctx_len, "gguf": str(gguf),
+            "gguf_type": gguf_type,
             "warmup_ids": reqs[0].ids[:64]}
     return PeerSystem(kind, [str(LLAMACPP_VENV / "bin" / "python"),
                              str(ROOT / "experiments/peers/llamacpp_driver.py")], env, spec, log, args.peer_timeout)

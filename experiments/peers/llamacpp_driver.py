@@ -5,7 +5,7 @@ ids, for experiments.bench_turns. Runs inside .venv-llamacpp
     .venv-llamacpp/bin/python experiments/peers/llamacpp_driver.py < requests > replies
 
 Protocol: JSON lines. The first line in is the spec {"model": dir,
-"gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
+"gguf": path, "gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
 "warmup_ids": [...]}; the driver converts the checkpoint to GGUF if needed,
 warms up and answers {"ready": true, ...}. Then each line is one of
   {"op": "begin"}   a new pass over the workflow: drop every context
@@ -21,7 +21,8 @@ one context, reset before every turn. Greedy (temp 0, top_k 1), exactly
 precision. prefill_s is the time to the first token, decode_s the rest. A
 context is created (its KV allocated) before the timed call.
 
-The checkpoint is converted to DIR/model-<type>.gguf on first use with the
+The checkpoint is converted to GGUF on first use (to spec["gguf"], by
+default DIR/model-<type>.gguf; the bench keeps it under runs/gguf/) with the
 converter from llama-cpp-python's source (see setup_llamacpp.sh), with the
 pre-tokenizer check answered "gpt-2" (the prompts arrive as token ids, so
 llama.cpp's own tokenizer never splits text here).
@@ -57,8 +58,9 @@ c.main()
 """
 
 
-def ensure_gguf(model_dir: Path, gguf_type: str) -> Path:
-    out = model_dir / f"model-{gguf_type}.gguf"
+def ensure_gguf(model_dir: Path, gguf_type: str, out: Path | None = None) -> Path:
+    out = out or model_dir / f"model-{gguf_type}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
     if out.is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -91,7 +93,7 @@ def main() -> None:
     from llama_cpp import Llama
 
     gguf_type = spec.get("gguf_type", "f32")
-    gguf = ensure_gguf(Path(spec["model"]), gguf_type)
+    gguf = ensure_gguf(Path(spec["model"]), gguf_type, Path(spec["gguf"]) if spec.get("gguf") else None)
     kv_type = {"f32": 0, "f16": 1, "bf16": 30}[gguf_type]
     threads = int(spec["threads"])
     keep = bool(spec["keep"])
