@@ -37,8 +37,9 @@ MAX_RUNS = 8
 
 def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, torch.Tensor | None]]:
     """Per sequence: where its keys [0, L) lie (a list of slot runs, or a
-    gather index when the pages are too scattered) and the chunk's mask,
-    boolean [Δ, L] (None when every query sees every key)."""
+    gather index when the pages are too scattered) and, only when a sliding
+    window cuts into them, the chunk's boolean mask [Δ, L]. A plain causal
+    chunk needs no mask: see _chunk_attention."""
     plan: list[tuple[object, torch.Tensor | None]] = []
     device = meta.block_tables.device
     ps = meta.page_size
@@ -52,12 +53,10 @@ def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, t
         else:
             keys = runs
         mask = None
-        if q_len > 1 or (sliding_window > 0 and s_len > sliding_window):
+        if sliding_window > 0 and s_len > sliding_window:
             q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
             k_pos = torch.arange(s_len, device=device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window > 0:
-                mask = mask & (k_pos > q_pos - sliding_window)
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
         plan.append((keys, mask))
     return plan
 
@@ -93,6 +92,44 @@ def _decode_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: lis
     return out.reshape(1, num_q_heads, head_dim)
 
 
+_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of Δ queries [Δ, Hq, D] at the end of L keys [Hkv, L, D], causal
+    within the chunk, without a mask: a boolean mask sends SDPA down a path
+    that reads all Δ x L scores, about twice the cost of its causal path.
+
+    The keys split in two: the cached prefix, which every query sees whole,
+    and the chunk itself, which is causal. The prefix part folds each KV
+    head's query group into one longer query block (no K/V copies for GQA);
+    the two parts merge by their log-sum-exps."""
+    num_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[0], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    cached = num_keys - num_q
+    qh = q.transpose(0, 1)  # [Hq, Δ, D]
+    if q.device.type != "cpu":
+        # The log-sum-exp op is the CPU flash kernel; elsewhere (the oracle
+        # of the GPU kernel tests) a mask costs nothing that matters.
+        mask = torch.ones(num_q, num_keys, dtype=torch.bool, device=q.device).tril(cached)
+        out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    k_new = k[:, cached:].repeat_interleave(group, dim=0)
+    v_new = v[:, cached:].repeat_interleave(group, dim=0)
+    o_new, lse_new = _attention_with_lse(qh[None], k_new[None], v_new[None], 0.0, True, scale=scale)
+    if cached == 0:
+        return o_new[0].transpose(0, 1)
+    q_folded = qh.reshape(num_kv_heads, group * num_q, head_dim)
+    o_old, lse_old = _attention_with_lse(q_folded[None], k[None, :, :cached], v[None, :, :cached], 0.0, False, scale=scale)
+    o_old = o_old.reshape(num_q_heads, num_q, head_dim)
+    lse_old = lse_old.reshape(num_q_heads, num_q)
+    m = torch.maximum(lse_old, lse_new[0])
+    w_old, w_new = (lse_old - m).exp()[..., None], (lse_new[0] - m).exp()[..., None]
+    out = (o_old.float() * w_old + o_new[0].float() * w_new) / (w_old + w_new)
+    return out.to(q.dtype).transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -117,10 +154,13 @@ def paged_attention(
         else:
             k = k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, dim=1)
             v = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts, dim=1)
-            oi = F.scaled_dot_product_attention(
-                qi.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
-            )
-            out[start : start + q_len] = oi[0].transpose(0, 1)
+            if mask is None:
+                out[start : start + q_len] = _chunk_attention(qi, k, v, scale)
+            else:
+                oi = F.scaled_dot_product_attention(
+                    qi.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+                )
+                out[start : start + q_len] = oi[0].transpose(0, 1)
         start += q_len
     return out
 
