@@ -13,10 +13,12 @@ import torch
 from cache.pool import PagePool
 from cache.radix import RadixCache
 from engine.errors import ContextLengthError, InvalidRequestError
+from engine.grammar import GrammarCache
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.session import Session
 from engine.stats import TurnStats
+from engine.structured import request_grammar
 from model.config import ModelConfig
 from model.default import default_model_dir
 from model.llama import Transformer
@@ -84,6 +86,17 @@ class Engine:
         # scheduler step and by each session call that touches pages.
         self.lock = threading.RLock()
         self.scheduler = Scheduler(self)
+        self._grammars: GrammarCache | None = None
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled grammars over this engine's vocabulary, made on first use."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("constrained decoding needs a tokenizer; this model has none")
+        with self.lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     @classmethod
     def from_pretrained(
@@ -145,14 +158,19 @@ class Engine:
         tools: list[dict] | None = None,
         session: Session | None = None,
         max_tokens: int = 256,
+        tool_choice: str | dict | None = None,
+        response_format: dict | None = None,
+        parallel_tool_calls: bool = True,
         **sampling,
     ) -> ChatResult:
         """Render the conversation, reuse the longest common prefix with the
         session's tokens, compute only the rest, and generate the reply.
         The session (a temporary one when None) ends holding the prompt and
-        the reply; on error it is as before."""
+        the reply; on error it is as before. tool_choice and response_format
+        (OpenAI's shapes) constrain the reply with a grammar: see engine.structured."""
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
+        grammar = request_grammar(self, tools, tool_choice, response_format, parallel_tool_calls)
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         if not prompt:
             raise InvalidRequestError("the rendered prompt is empty")
@@ -170,7 +188,7 @@ class Engine:
             # This turn's record (finish_turn files it and starts a new one).
             turn = work.turn
             turn.prompt_tokens, turn.reused_tokens = len(prompt), reused
-            ids = work.generate(max_tokens=max_tokens, **sampling)
+            ids = work.generate(max_tokens=max_tokens, grammar=grammar, **sampling)
             finish = work.finish_reason
         except BaseException:
             work.close()

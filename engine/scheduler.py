@@ -7,7 +7,9 @@ the one token drawn last step, followed by draft tokens when speculating.
 Once a request's chunk reaches the end of its session, the logits of the
 chunk's last token (and of each draft token) decide what is emitted: the
 drafts a verify accepts, then one token drawn by the target. A plain decode
-step is the same with no drafts.
+step is the same with no drafts. A request with a grammar drafts only what
+the grammar allows and has each of its rows masked before the verify, so
+constrained requests share the batched step like any other.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import kernels
 from cache.errors import KVCapacityError
 from engine.errors import EngineError
+from engine.grammar import GrammarState
 from engine.runner import StepItem
 from profiling.nvtx import nvtx_range
 from model.sampler import SamplingParams, draw_uniforms, make_generator, probs_from_logits
@@ -36,6 +39,7 @@ class Request:
     params: SamplingParams
     speculative: bool = True
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: called with each step's new tokens
+    grammar: GrammarState | None = None  # constrains every token drawn and every draft accepted
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length"
     error: BaseException | None = None
@@ -185,7 +189,9 @@ class Scheduler:
             return []
         drafter = s.drafter()
         k = min(drafter.draft_len, room)
-        return drafter.propose(k) if k > 0 else []
+        draft = drafter.propose(k) if k > 0 else []
+        # A draft token the grammar forbids could never be accepted, nor anything after it.
+        return req.grammar.clip(draft) if req.grammar is not None and draft else draft
 
     def _emit(self, req: Request, draft: list[int], rows: torch.Tensor, elapsed: float, chunk: int) -> None:
         s = req.session
@@ -195,6 +201,8 @@ class Scheduler:
         else:
             s.turn.decode_s += elapsed
             s.turn.decode_steps += 1
+        if req.grammar is not None:
+            rows = req.grammar.masked(rows, draft)
         device = rows.device
         drafts_t = torch.tensor([draft + [0] * (not draft)], dtype=torch.int64, device=device)
         cu = torch.tensor([0, len(draft) + 1], dtype=torch.int32, device=device)
@@ -212,6 +220,9 @@ class Scheduler:
             s.turn.verify_steps += 1
         new = draft[:n_acc] + [int(nxt[0])]
         for i in range(len(new)):
+            if req.grammar is not None and not req.grammar.accept(new[i]):
+                self._fail(req, EngineError(f"token {new[i]} was drawn against the grammar"))
+                return
             if self._stops(req, req.output + new[: i + 1], len(s._tokens) + i + 1):
                 new = new[: i + 1]
                 break
@@ -234,7 +245,7 @@ class Scheduler:
     def _stops(self, req: Request, out: list[int], n_total: int) -> bool:
         """Whether the output `out` ends the request (sets its finish reason)."""
         p = req.params
-        if out[-1] in req.stop_ids:
+        if out[-1] in req.stop_ids or (req.grammar is not None and req.grammar.terminated):
             req.finish_reason = "stop"
         elif p.stop and req.session.ends_with_stop(out, p.stop):
             req.finish_reason = "stop"

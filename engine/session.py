@@ -16,6 +16,7 @@ import torch
 
 from cache.block_table import BlockTable
 from engine.errors import ContextLengthError, InvalidRequestError, SessionBusyError, SessionClosedError
+from engine.grammar import Grammar, GrammarState
 from engine.runner import StepItem
 from engine.stats import TurnStats
 from engine.scheduler import Request
@@ -203,6 +204,7 @@ class Session:
         ignore_eos: bool = False,
         speculative: bool = True,
         on_tokens: Callable[[list[int]], None] | None = None,
+        grammar: Grammar | None = None,
     ) -> list[int]:
         """Decode up to max_tokens new tokens; they stay in the session. Stops
         after EOS (unless ignore_eos), a stop token id, or once the text ends
@@ -210,7 +212,10 @@ class Session:
         prompt-lookup drafts from the session's history are verified k+1
         tokens per forward (greedy output is identical; sampling keeps the
         model's distribution). on_tokens, if given, is called with each step's
-        new tokens (streaming). On error the session is as it was before."""
+        new tokens (streaming). With a grammar (engine.structured.request_grammar),
+        every token drawn and every draft accepted is one the grammar allows,
+        and generation stops where the grammar ends. On error the session is
+        as it was before."""
         try:
             params = SamplingParams(
                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, max_tokens=max_tokens,
@@ -220,13 +225,15 @@ class Session:
             raise InvalidRequestError(str(e)) from None
         if params.stop and self.engine.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        if grammar is not None and grammar.vocab_size != self.engine.model.cfg.vocab_size:
+            raise InvalidRequestError("the grammar was compiled for another vocabulary")
         # The scheduler takes the engine lock step by step, so that other
         # sessions' requests batch with this one meanwhile.
         with self._busy(hold_engine=False):
             if not self._tokens:
                 raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
             self._check_length(len(self._tokens) + 1)
-            req = Request(self, params, speculative, on_tokens)
+            req = Request(self, params, speculative, on_tokens, GrammarState(grammar) if grammar is not None else None)
             out = self.engine.scheduler.run(req)
             self.finish_reason = req.finish_reason
             with self.engine.lock:

@@ -23,6 +23,10 @@ FORMATS = ("hermes", "llama3_json")
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA3_SEPARATORS = " \t\r\n;"
+# Raw control characters (a tab) inside strings are not JSON, but they are
+# unambiguous, models write them, and grammars over length-bounded strings
+# admit them: read such a call rather than lose it.
+_DECODER = json.JSONDecoder(strict=False)
 
 
 def new_call_id() -> str:
@@ -38,7 +42,7 @@ def _as_call(obj: Any, require_arguments: bool) -> dict | None:
     arguments = obj.get(key, {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _DECODER.decode(arguments)
         except json.JSONDecodeError:
             return None
     if not isinstance(arguments, dict):
@@ -50,7 +54,7 @@ def _parse_hermes(text: str) -> tuple[str, list[dict]]:
     calls, kept, pos = [], [], 0
     for match in _HERMES_BLOCK.finditer(text):
         try:
-            call = _as_call(json.loads(match.group(1)), require_arguments=False)
+            call = _as_call(_DECODER.decode(match.group(1)), require_arguments=False)
         except json.JSONDecodeError:
             call = None
         if call is None:
@@ -69,7 +73,7 @@ def _parse_llama3_json(text: str) -> tuple[str, list[dict]]:
     body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
     if not body.startswith("{"):
         return text, []
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    decoder, calls, pos = _DECODER, [], 0
     while pos < len(body):
         try:
             obj, pos = decoder.raw_decode(body, pos)

@@ -20,8 +20,12 @@ session stays busy (409) until then, and every page is accounted for: held by
 the session, or freed with a temporary one.
 
 tool_choice: "none" hides the tools from the prompt and parses no calls;
-"auto", "required" and a named function offer the tools and parse calls, but
-the last two are not enforced until constrained decoding lands.
+"auto", "required" and a named function offer the tools and parse calls.
+A grammar enforces them (engine.structured): "required" and a named function
+always yield calls to offered tools with arguments valid under their schemas;
+under "auto" a call the model opens is held to the same. response_format
+json_object / json_schema holds the reply to that JSON. A schema that cannot
+be compiled is a 400 before anything is computed.
 """
 from __future__ import annotations
 
@@ -85,6 +89,14 @@ def check_tool_choice(body: ChatCompletionRequest) -> None:
         raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
         raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+
+
+def constraints(body: ChatCompletionRequest) -> dict:
+    """The request's tool_choice, response_format and parallel_tool_calls as Engine.chat takes them."""
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    response_format = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
+    return {"tool_choice": choice, "response_format": response_format,
+            "parallel_tool_calls": body.parallel_tool_calls is not False}
 
 
 def pick_max_tokens(body: ChatCompletionRequest) -> int | None:
@@ -157,7 +169,7 @@ def _run(
         result = api.engine.chat(
             messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
             temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
-            ignore_eos=body.ignore_eos, on_tokens=on_tokens,
+            ignore_eos=body.ignore_eos, on_tokens=on_tokens, **constraints(body),
         )
         latency = time.perf_counter() - start
         api.metrics.observe_turn(latency)

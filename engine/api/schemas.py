@@ -91,6 +91,30 @@ class NamedToolChoice(RequestBody):
     function: NamedFunction
 
 
+class JSONSchemaSpec(RequestBody):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute; the wire name stays "schema".
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(RequestBody):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestBody):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(RequestBody):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
 class StreamOptions(RequestBody):
     include_usage: bool = False
 
@@ -135,9 +159,10 @@ class Sampling(RequestBody):
 class ChatCompletionRequest(Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
-    # "required" and a named function are accepted but not enforced until
-    # constrained decoding lands: the model may still answer in text.
+    # Enforced by a grammar (engine.structured): "required" and a named
+    # function always yield calls to offered tools with schema-valid arguments.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False

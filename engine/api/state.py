@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from engine.api.errors import APIError, not_found
 from engine.api.metrics import Metrics
 from engine.api.sessions import SessionRegistry
-from model.tool_calls import detect_tool_call_format
+from engine.structured import tool_call_format
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -38,8 +38,7 @@ class ApiState:
     @property
     def tool_format(self) -> str:
         """How the model writes tool calls; Hermes when its template does not say."""
-        templates = self.tokenizer.chat_templates
-        return detect_tool_call_format(templates.get("tool_use") or self.tokenizer.chat_template) or "hermes"
+        return tool_call_format(self.tokenizer)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

@@ -1,0 +1,146 @@
+"""What a request's tool_choice and response_format allow the model to write,
+as an xgrammar structural tag in the chat template's own tool-call syntax.
+
+- tool_choice "required" or a named function: one or more calls (exactly one
+  for a named function or with parallel_tool_calls off), nothing else, then
+  the end of the reply.
+- "auto" with tools: free text, but once the model opens a call marker the
+  call must be well formed, to a tool offered, with arguments to its schema.
+- response_format json_object / json_schema: the reply is that JSON. A
+  required or named tool choice takes precedence over it; under "auto" it
+  replaces the marker trigger (the reply is JSON, not a call).
+
+Arguments are JSON as the templates render it (`json.dumps` separators),
+with at most one whitespace character between tokens, so a model cannot
+spend its budget on layout. A tool without parameters takes any JSON object.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from engine.grammar import Grammar, GrammarError
+from model.tool_calls import detect_tool_call_format
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from model.tokenizer import Tokenizer
+
+__all__ = ["tool_call_format", "structural_tag", "request_grammar"]
+
+# Per format: how a call opens (with the tool's name) and closes around its
+# arguments, what separates parallel calls, and the marker that opens a call.
+_SYNTAX = {
+    "hermes": ('<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", "\n", "<tool_call>"),
+    "llama3_json": ('{{"name": {name}, "parameters": ', "}", "; ", '{"name": '),
+}
+_MAX_WHITESPACE = 1
+
+
+def tool_call_format(tokenizer: "Tokenizer") -> str:
+    """How the model writes tool calls; Hermes when its template does not say."""
+    templates = tokenizer.chat_templates
+    return detect_tool_call_format(templates.get("tool_use") or tokenizer.chat_template) or "hermes"
+
+
+def _function(tool: Any) -> dict:
+    # Chat Completions nests the function ({"type": "function", "function": {...}});
+    # the Responses API puts its fields on the tool itself.
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise GrammarError(f"a tool must be a function with a name, got {tool!r}")
+    if not isinstance(fn.get("parameters", {}) or {}, dict):
+        raise GrammarError(f"the parameters of tool {fn['name']!r} must be a JSON schema object")
+    return fn
+
+
+def _json(schema: dict | bool) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
+
+
+def _call_tags(functions: list[dict], fmt: str) -> list[dict]:
+    begin, end, _, _ = _SYNTAX[fmt]
+    return [
+        {"type": "tag", "begin": begin.format(name=json.dumps(fn["name"])),
+         "content": _json(fn.get("parameters") or {"type": "object"}), "end": end}
+        for fn in functions
+    ]
+
+
+def _chosen(functions: list[dict], tool_choice: Any) -> tuple[list[dict], bool]:
+    """The functions the reply may call, and whether it must call one."""
+    if tool_choice in (None, "auto", "none"):
+        return ([] if tool_choice == "none" else functions), False
+    if tool_choice == "required":
+        if not functions:
+            raise GrammarError('tool_choice "required" needs tools')
+        return functions, True
+    name = tool_choice.get("function", tool_choice).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(name, str):
+        raise GrammarError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
+    named = [fn for fn in functions if fn["name"] == name]
+    if not named:
+        raise GrammarError(f"tool_choice names {name!r}, which is not among the tools")
+    return named, True
+
+
+def _response_schema(response_format: Any) -> dict | bool | None:
+    """The JSON schema of a response_format (chat: {"type": "json_schema",
+    "json_schema": {"schema": ...}}; Responses text.format: "schema" on the
+    format itself); None for plain text."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema", response_format)
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("response_format json_schema needs a JSON schema object under 'schema'")
+        return schema
+    raise GrammarError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
+
+
+def structural_tag(
+    tools: list[dict] | None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    fmt: str = "hermes",
+    parallel_tool_calls: bool = True,
+) -> dict | None:
+    """The xgrammar structural tag for these request options, or None when
+    they leave the reply free. Raises GrammarError on options that name no
+    offered tool or are malformed (schemas are checked when compiled)."""
+    functions = [_function(tool) for tool in tools or ()]
+    chosen, forced = _chosen(functions, tool_choice)
+    schema = _response_schema(response_format)
+    if forced:
+        _, _, separator, _ = _SYNTAX[fmt]
+        single = not parallel_tool_calls or tool_choice != "required"
+        body = {"type": "tags_with_separator", "tags": _call_tags(chosen, fmt), "separator": separator,
+                "at_least_one": True, "stop_after_first": single}
+    elif schema is not None:
+        body = _json(schema)
+    elif chosen:
+        _, _, _, trigger = _SYNTAX[fmt]
+        body = {"type": "triggered_tags", "triggers": [trigger], "tags": _call_tags(chosen, fmt),
+                "stop_after_first": not parallel_tool_calls}
+    else:
+        return None
+    return {"type": "structural_tag", "format": body}
+
+
+def request_grammar(
+    engine: "Engine",
+    tools: list[dict] | None = None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    parallel_tool_calls: bool = True,
+) -> Grammar | None:
+    """The compiled grammar (cached per engine) that constrains a reply to
+    these OpenAI-style options, or None when nothing constrains it. Pass the
+    result to Session.generate(grammar=...). GrammarError (a 400) on bad
+    options or schemas; nothing is changed then."""
+    tag = structural_tag(tools, tool_choice, response_format, tool_call_format(engine.tokenizer), parallel_tool_calls)
+    return None if tag is None else engine.grammars.get(tag)
