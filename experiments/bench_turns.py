@@ -95,6 +95,9 @@ HF_SYSTEMS = ("hf", "hf-reuse")
 VLLM_SYSTEMS = ("vllm-apc", "vllm-noapc")
 LLAMACPP_SYSTEMS = ("llamacpp-keep", "llamacpp-reset")
 ALL_SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS + VLLM_SYSTEMS + LLAMACPP_SYSTEMS
+# Systems that recompute each turn from scratch: a turn's latency does not
+# depend on the turns before it, so on long workflows they may serve a sample.
+FROM_SCRATCH_SYSTEMS = ("stateless", "hf", "vllm-noapc", "llamacpp-reset")
 LABELS = {
     "stateful": "engine stateful (session per agent)",
     "stateless": "engine stateless (full re-prefill)",
@@ -587,6 +590,10 @@ def run(args) -> dict:
             k = i % max(len(active), 1)
             for x in active[k:] + active[:k]:
                 bar.set_postfix_str(f"repeat {rep + 1} turn {i + 1} {x.name}")
+                if x.name in FROM_SCRATCH_SYSTEMS and not sampled_turn(i, len(reqs), args.from_scratch_every):
+                    per_repeat[x.name][-1].append(None)
+                    bar.update()
+                    continue
                 load[x.name].append(os.getloadavg()[0])
                 try:
                     per_repeat[x.name][-1].append(x.turn(r))
@@ -595,7 +602,7 @@ def run(args) -> dict:
                 bar.update()
             active = [x for x in active if x.name not in skipped]
         for x in active:
-            wall[x.name].append(sum(t["latency_s"] for t in per_repeat[x.name][-1]))
+            wall[x.name].append(sum(t["latency_s"] for t in per_repeat[x.name][-1] if t is not None))
             x.end()
     bar.close()
     info = {x.name: x.info for x in live}
@@ -613,16 +620,21 @@ def run(args) -> dict:
         turns = []
         for i, r in enumerate(reqs):
             xs = [rep[i] for rep in reps]
+            if any(x is None for x in xs):  # a turn this from-scratch system did not sample
+                turns.append({"latency_s": None, "prefill_s": None, "decode_s": None, "computed": None,
+                              "reused": None, "generated": None, "repeats": []})
+                continue
             med = {k: median([x[k] for x in xs if x[k] is not None]) if any(x[k] is not None for x in xs) else None
                    for k in ("latency_s", "prefill_s", "decode_s")}
             turns.append({**med, "computed": xs[0]["computed"], "reused": xs[0]["reused"],
                           "generated": xs[0]["generated"], "repeats": xs})
-        lat = [t["latency_s"] for t in turns]
+        lat = [t["latency_s"] for t in turns if t["latency_s"] is not None]
         decode_tok = [t["decode_s"] / max(t["generated"] - 1, 1) for t in turns if t["decode_s"] is not None]
         results[s] = {
             "label": LABELS[s],
             "turns": turns,
             "e2e_s": sum(lat),
+            "turns_ran": len(lat),
             "wall_s": wall.get(s, []),
             "computed_tokens": sum(t["computed"] for t in turns if t["computed"] is not None),
             "decode_ms_per_token": median(decode_tok) * 1e3 if decode_tok else None,
@@ -636,18 +648,21 @@ def run(args) -> dict:
             # (a random-init model's near-flat logits can flip an argmax on
             # rounding differences between implementations).
             lead = []
-            for t, b in zip(res["turns"], results[ref]["turns"]):
+            both = [(t, b) for t, b in zip(res["turns"], results[ref]["turns"])
+                    if t["latency_s"] is not None and b["latency_s"] is not None]
+            for t, b in both:
                 a_ids, b_ids = t["repeats"][0].get("token_ids"), b["repeats"][0].get("token_ids")
                 if a_ids is not None and b_ids is not None:
                     lead.append(common_prefix(a_ids, b_ids) / max(len(b_ids), 1))
             res["greedy_agreement"] = sum(lead) / len(lead) if lead else None
-            ratios = [t["latency_s"] / b["latency_s"] for t, b in zip(res["turns"], results[ref]["turns"])]
+            # Over the turns both ran: all of them, unless one system served a sample.
+            ratios = [t["latency_s"] / b["latency_s"] for t, b in both]
             res["ratio_per_turn"] = ratios
             res["median_turn_ratio"] = median(ratios)
             # The ratio of median turn latencies too (the targets speak of "the median turn").
-            res["ratio_of_median_turns"] = median([t["latency_s"] for t in res["turns"]]) / median(
-                [t["latency_s"] for t in results[ref]["turns"]])
-            res["e2e_ratio"] = res["e2e_s"] / results[ref]["e2e_s"]
+            res["ratio_of_median_turns"] = median([t["latency_s"] for t, _ in both]) / median(
+                [b["latency_s"] for _, b in both])
+            res["e2e_ratio"] = sum(t["latency_s"] for t, _ in both) / sum(b["latency_s"] for _, b in both)
     return {
         "command": " ".join([sys.executable, "-m", "experiments.bench_turns", *sys.argv[1:]]),
         "args": vars(args),
@@ -670,14 +685,19 @@ def run(args) -> dict:
 # Output
 
 
+def sampled_turn(i: int, num_turns: int, every: int) -> bool:
+    """Whether a from-scratch system serves turn i (0-based): every Nth and the last."""
+    return (i + 1) % every == 0 or i == num_turns - 1
+
+
 def report(res: dict) -> str:
     systems = res["systems_ran"]
     lines = []
     heads = ["turn", "agent", "prompt", "gen"] + [f"{s} ms" for s in systems]
     rows = []
     for i, r in enumerate(res["requests"]):
-        rows.append([r["turn"], r["agent"], r["prompt"], r["gen"]]
-                    + [res["results"][s]["turns"][i]["latency_s"] * 1e3 for s in systems])
+        lats = [res["results"][s]["turns"][i]["latency_s"] for s in systems]
+        rows.append([r["turn"], r["agent"], r["prompt"], r["gen"]] + [x * 1e3 if x is not None else "-" for x in lats])
     lines.append(table(heads, rows))
     lines.append("")
     ref = res["reference"]
@@ -701,6 +721,11 @@ def report(res: dict) -> str:
                  f"system / {ref} (above 1: {ref} is faster); greedy agree: share of each turn's generated tokens "
                  f"equal to {ref}'s, before the first difference; load: the 1-minute load average before each of its turns, median / max (2 cores: "
                  f"above 2 means other work shared them)")
+    every = res["args"].get("from_scratch_every", 1)
+    if every > 1:
+        lines.append(f"from-scratch systems ({', '.join(s for s in systems if s in FROM_SCRATCH_SYSTEMS)}) served turns "
+                     f"{every}, {2 * every}, ... and the last; their e2e and ratios cover those turns only (the reference's "
+                     f"same turns)")
     lines.append(f"ran: {', '.join(systems) or 'none'}")
     for s, why in res["skipped"].items():
         lines.append(f"skipped {s}: {why}")
@@ -718,7 +743,8 @@ def plot(res: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     markers = "os^vD<>px*"
     for k, s in enumerate(res["systems_ran"]):
-        ax.plot(turns, [t["latency_s"] for t in res["results"][s]["turns"]], marker=markers[k % len(markers)],
+        points = [(n, t["latency_s"]) for n, t in zip(turns, res["results"][s]["turns"]) if t["latency_s"] is not None]
+        ax.plot([n for n, _ in points], [y for _, y in points], marker=markers[k % len(markers)],
                 label=res["results"][s]["label"])
     ax.set_yscale("log")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -747,7 +773,8 @@ def log_wandb(res: dict, out_dir: Path) -> str:
                          name=f"bench_turns-{res['workflow']['name']}-{res['args']['shape']}")
         for i, r in enumerate(res["requests"]):
             run.log({"turn": r["turn"], "prompt_tokens": r["prompt"], "gen_tokens": r["gen"],
-                     **{f"latency_s/{s}": res["results"][s]["turns"][i]["latency_s"] for s in res["systems_ran"]}})
+                     **{f"latency_s/{s}": res["results"][s]["turns"][i]["latency_s"] for s in res["systems_ran"]
+                        if res["results"][s]["turns"][i]["latency_s"] is not None}})
         for s in res["systems_ran"]:
             r = res["results"][s]
             run.summary[f"{s}/e2e_s"] = r["e2e_s"]
@@ -774,6 +801,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16, help="the engine's page (and block-hash block) size")
     p.add_argument("--speculative", action="store_true", help="the engine's prompt-lookup speculation (off: greedy "
                    "decode only; random weights make drafts degenerate)")
+    p.add_argument("--from-scratch-every", type=int, default=1, help="systems that recompute every turn from "
+                   f"scratch ({', '.join(FROM_SCRATCH_SYSTEMS)}) serve only every Nth turn and the last (their turn "
+                   "latency does not depend on earlier turns); ratios then cover those turns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_turns-<time>)")

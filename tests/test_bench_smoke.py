@@ -77,3 +77,19 @@ def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_turns, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
     assert "setup_vllm.sh" in bench_turns.vllm_status()
     assert "setup_llamacpp.sh" in bench_turns.llamacpp_status()
+
+
+def test_from_scratch_systems_serve_a_sample_of_turns(tmp_path):
+    res = bench_turns.main([
+        "--shape", "tiny", "--workflow", "6", "--max-turns", "3", "--max-gen", "2", "--repeats", "1",
+        "--threads", "1", "--systems", "stateful,stateless", "--from-scratch-every", "2",
+        "--out", str(tmp_path), "--no-wandb",
+    ])
+    stateful, stateless = (res["results"][s] for s in ("stateful", "stateless"))
+    # Turns 2 and 3 (every 2nd, and the last); the stateful session serves all three.
+    assert [t["latency_s"] is not None for t in stateless["turns"]] == [False, True, True]
+    assert stateless["turns_ran"] == 2 and stateful["turns_ran"] == 3
+    assert len(stateless["ratio_per_turn"]) == 2
+    ref = sum(t["latency_s"] for t in stateful["turns"][1:])
+    assert stateless["e2e_ratio"] == pytest.approx(stateless["e2e_s"] / ref)
+    assert "served turns 2, 4, ... and the last" in (tmp_path / "report.txt").read_text()
