@@ -201,3 +201,14 @@ def test_bad_options_are_refused_and_change_nothing(engine, options):
 def test_a_raw_tab_in_a_bounded_string_still_parses_as_a_call():
     _, calls = parse_tool_calls('<tool_call>\n{"name": "read_file", "arguments": {"path": "a\tb"}}\n</tool_call>')
     assert calls and calls[0]["arguments"] == {"path": "a\tb"}
+
+
+def test_responses_api_shapes_give_the_same_grammars(engine):
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    assert request_grammar(engine, flat, "required") is request_grammar(engine, TOOLS, "required")
+    named = request_grammar(engine, flat, {"type": "function", "name": "ping"})
+    assert named is request_grammar(engine, TOOLS, {"type": "function", "function": {"name": "ping"}})
+    text_format = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
+    chat_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    assert request_grammar(engine, response_format=text_format) is request_grammar(engine, response_format=chat_format)
+    assert request_grammar(engine, flat, "none") is None
