@@ -11,7 +11,9 @@ prompts are rendered once with the project's tokenizer and chat template;
 HF, vLLM and llama.cpp receive those token ids, the engine receives the
 messages through its public `Engine.chat` (it renders the same ids itself,
 checked every turn, and its turn time includes that rendering and
-tokenization, which the peers are spared).
+tokenization, which the peers are spared). With --live the reference
+replies are first replaced by the model's own (experiments/live_replay.py),
+so a trained model's replies, and what speculation drafts for them, are real.
 
 Systems (--systems, comma-separated, default all; absent peers are skipped
 and the report says why):
@@ -98,6 +100,7 @@ ALL_SYSTEMS = ENGINE_SYSTEMS + HF_SYSTEMS + VLLM_SYSTEMS + LLAMACPP_SYSTEMS
 # Systems that recompute each turn from scratch: a turn's latency does not
 # depend on the turns before it, so on long workflows they may serve a sample.
 FROM_SCRATCH_SYSTEMS = ("stateless", "hf", "vllm-noapc", "llamacpp-reset")
+LIVE_MAX_GEN = 256  # a live reply's cap without --max-gen
 LABELS = {
     "stateful": "engine stateful (session per agent)",
     "stateless": "engine stateless (full re-prefill)",
@@ -248,6 +251,21 @@ def engine_pages(reqs: list[Request], page_size: int, kind: str = "stateful") ->
     # prefixes (the radix keeps generated tails until evicted; it evicts
     # least recently used ones under pressure), and slack.
     return 3 * (kv_tokens_needed(reqs) // page_size + len(reqs)) // 2 + 64
+
+
+def live_transcript(path: Path, tokenizer, wf, args):
+    """The workflow with the model's own replies (experiments/live_replay.py),
+    made before any timed turn, untimed."""
+    from engine import Engine
+    from experiments.live_replay import live_workflow
+    from model.loader import load_model
+
+    model = load_model(path, getattr(torch, args.dtype))
+    eng = Engine(model, tokenizer, page_size=args.page_size)
+    live = live_workflow(eng, wf, args.max_gen or LIVE_MAX_GEN, args.max_turns)
+    del eng, model
+    gc.collect()
+    return live
 
 
 def warm_engine(model, tokenizer, reqs: list[Request], page_size: int) -> None:
@@ -534,9 +552,12 @@ def run(args) -> dict:
     path = Path(args.model) if args.model else prepare_checkpoint(args.shape, args.seed)
     tokenizer = Tokenizer.from_dir(path)
     wf = workflow(args.workflow, args.seed)
-    reqs = prepare_requests(tokenizer, wf, args.max_turns, args.max_gen)
     out_dir = Path(args.out) if args.out else run_dir("bench_turns")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.live:
+        wf = live_transcript(path, tokenizer, wf, args)
+        (out_dir / "live_workflow.json").write_text(wf.to_json())
+    reqs = prepare_requests(tokenizer, wf, args.max_turns, args.max_gen)
     log = out_dir / "peers.log"
 
     skipped: dict[str, str] = {}
@@ -804,6 +825,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-scratch-every", type=int, default=1, help="systems that recompute every turn from "
                    f"scratch ({', '.join(FROM_SCRATCH_SYSTEMS)}) serve only every Nth turn and the last (their turn "
                    "latency does not depend on earlier turns); ratios then cover those turns")
+    p.add_argument("--live", action="store_true", help="replay the model's own replies: serve the workflow once "
+                   "with the engine (untimed), put its replies in place of the reference ones, then replay that "
+                   "teacher-forced on every system (for a trained model such as models/agent-8m)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_turns-<time>)")

@@ -93,3 +93,30 @@ def test_from_scratch_systems_serve_a_sample_of_turns(tmp_path):
     ref = sum(t["latency_s"] for t in stateful["turns"][1:])
     assert stateless["e2e_ratio"] == pytest.approx(stateless["e2e_s"] / ref)
     assert "served turns 2, 4, ... and the last" in (tmp_path / "report.txt").read_text()
+
+
+def test_live_replay_replays_the_models_own_replies(tmp_path):
+    res = bench_turns.main([
+        "--shape", "tiny", "--workflow", "6", "--max-turns", "3", "--max-gen", "4", "--repeats", "1",
+        "--threads", "1", "--systems", "stateful,stateless", "--live", "--out", str(tmp_path), "--no-wandb",
+    ])
+    live = json.loads((tmp_path / "live_workflow.json").read_text())
+    reference = bench_turns.workflow("6", 0)
+    stateful, stateless = (res["results"][s] for s in ("stateful", "stateless"))
+    # Greedy replay of the model's own replies regenerates them: both systems
+    # agree, and each turn generates what the live run did (at most 4 tokens).
+    assert stateless["greedy_agreement"] == 1.0
+    for r in res["requests"]:
+        assert 1 <= r["gen"] <= 4
+    # The later turns re-send the live replies, not the reference ones.
+    served = {}
+    for agent in reference.schedule[:3]:
+        served[agent] = served.get(agent, 0) + 1
+    changed = 0
+    for conv, ref in zip(live["conversations"], reference.conversations):
+        replies = [m for m in conv["messages"] if m["role"] == "assistant"]
+        refs = [m for m in ref.messages if m["role"] == "assistant"]
+        n = served.get(conv["agent"], 0)
+        assert replies[n:] == refs[n:]  # turns not served keep the reference
+        changed += sum(a != b for a, b in zip(replies[:n], refs[:n]))
+    assert changed == 3
