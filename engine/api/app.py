@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server over one Engine.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /v1/models/{model}, GET /health, GET /metrics, and the session endpoints
-under /v1/sessions. The engine's scheduler runs while the app does, so that
-requests from every handler batch into shared forwards.
+Endpoints: POST /v1/chat/completions, POST /v1/completions, the Responses
+API under /v1/responses, GET /v1/models, GET /v1/models/{model}, GET /health,
+GET /metrics, and the session endpoints under /v1/sessions. The engine's
+scheduler runs while the app does, so that requests from every handler batch
+into shared forwards.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import time
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from engine.api import chat, completions, session_routes
+from engine.api import chat, completions, responses, session_routes
 from engine.api.errors import install_error_handlers
 from engine.api.metrics import RequestCounter
+from engine.api.response_store import ResponseStore
 from engine.api.schemas import ModelCard, ModelList
 from engine.api.state import ApiState
 
@@ -29,6 +31,7 @@ DRAIN_TIMEOUT_S = 30.0
 
 def create_app(engine: "Engine", model_name: str) -> FastAPI:
     api = ApiState.for_engine(engine, model_name)
+    store = ResponseStore()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -36,15 +39,17 @@ def create_app(engine: "Engine", model_name: str) -> FastAPI:
         try:
             yield
         finally:
-            await _drain(api)
+            await _drain(api, store)
             engine.scheduler.stop()
             api.sessions.close_all()
+            store.close_all()
 
     app = FastAPI(title="agentkv", description="OpenAI-compatible API of a stateful engine", lifespan=lifespan)
     app.state.api = api
+    app.state.responses = store
     install_error_handlers(app)
     app.add_middleware(RequestCounter, metrics=api.metrics)
-    for module in (chat, completions, session_routes):
+    for module in (chat, completions, responses, session_routes):
         app.include_router(module.router)
 
     @app.get("/health")
@@ -69,9 +74,9 @@ def create_app(engine: "Engine", model_name: str) -> FastAPI:
     return app
 
 
-async def _drain(api: ApiState) -> None:
+async def _drain(api: ApiState, store: ResponseStore) -> None:
     """Wait (bounded) for generations still running, e.g. those of clients
     that went away mid-stream, so that no session is closed under them."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while (api.engine.scheduler.active or api.sessions.busy_count()) and time.monotonic() < deadline:
+    while (api.engine.scheduler.active or api.sessions.busy_count() or store.running) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

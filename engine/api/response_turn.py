@@ -1,0 +1,143 @@
+"""One Responses API turn on the engine: plan what to append (continuation),
+fork or start the session, generate, and build and store the response."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.api.continuation import plan, retokenize_reply
+from engine.api.generation import OnTokens
+from engine.api.held_text import HeldText
+from engine.api.replies import ReplyText
+from engine.api.response_items import Item, listed, new_item_id, reply_message
+from engine.api.response_store import ResponseStore, StoredResponse
+from engine.api.responses_schemas import (
+    IncompleteDetails,
+    InputTokensDetails,
+    NamedFunctionChoice,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from engine.api.schemas import FunctionDefinition, Tool
+from engine.structured import request_grammar
+
+if TYPE_CHECKING:
+    from engine import Engine
+    from engine.api.replies import Reply
+    from engine.api.state import ApiState
+    from engine.grammar import Grammar
+    from engine.stats import TurnStats
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    body: ResponsesRequest
+    items: list[Item]
+    tenant: str  # also the namespace of its sessions: no KV is shared across tenants
+    previous: StoredResponse | None
+    shell: Response  # the response as created: in progress, no output yet
+    message_id: str  # of the reply's message item, named before it is written (streaming)
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The tools as the chat template reads them; none with tool_choice "none"."""
+        if not self.body.tools or self.body.tool_choice == "none":
+            return None
+        return [
+            Tool(type="function", function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict,
+            )).model_dump(exclude_none=True)
+            for t in self.body.tools
+        ]
+
+    def grammar(self, engine: "Engine") -> "Grammar | None":
+        """What the reply may be, as chat completions constrain it: calls the model opens are
+        well formed, and tool_choice "required" or a named function is enforced."""
+        choice = self.body.tool_choice
+        choice = choice.model_dump() if isinstance(choice, NamedFunctionChoice) else choice
+        return request_grammar(engine, self.tools, choice, None, self.body.parallel_tool_calls is not False)
+
+
+def shell(body: ResponsesRequest, response_id: str) -> Response:
+    return Response(
+        id=response_id, created_at=int(time.time()), status="in_progress", model=body.model, output=[],
+        instructions=body.instructions, previous_response_id=body.previous_response_id, tools=body.tools or [],
+        tool_choice=body.tool_choice or "auto", parallel_tool_calls=body.parallel_tool_calls is not False,
+        temperature=body.temperature, top_p=body.top_p, max_output_tokens=body.max_output_tokens,
+        store=body.store, metadata=body.metadata or {}, user=body.user,
+    )
+
+
+@dataclass(frozen=True)
+class Turn:
+    response: Response
+    token_ids: list[int]
+
+
+def run_turn(api: "ApiState", store: ResponseStore, turn: TurnRequest, on_tokens: OnTokens) -> Turn:
+    """The engine work of one response, on its generation's thread: the
+    response is stored (store=true) before this returns, so a client that has
+    gone away leaves nothing unaccounted for. On error nothing is changed."""
+    with store.generating():
+        start = time.perf_counter()
+        tokenizer = api.tokenizer
+        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools)
+        max_tokens = api.max_tokens(p.prompt_len, turn.body.max_output_tokens)
+        grammar = turn.grammar(api.engine)
+        session = p.base.fork() if p.base else api.engine.session(turn.tenant)
+        try:
+            session.queue(p.delta_ids)
+            stats = session.turn  # filed in engine.stats by generate
+            stats.prompt_tokens, stats.reused_tokens = len(session), session.table.length
+            body = turn.body
+            ids = session.generate(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
+                grammar=grammar, on_tokens=on_tokens,
+            )
+            reply = _reply(api, turn, ids)
+            response = _finished(turn, reply, stats, len(ids))
+            if body.store:
+                retokenize_reply(tokenizer, session, stats.prompt_tokens)
+                held = HeldText(p.held, p.delta_text + tokenizer.decode(ids))
+                messages = p.messages + [reply_message(reply.content, reply.tool_calls)]
+                store.put(StoredResponse(response, turn.tenant, listed(turn.items), messages, turn.previous, held, session))
+            else:
+                session.close()
+        except BaseException:
+            session.close()
+            raise
+        api.metrics.observe_turn(time.perf_counter() - start)
+        return Turn(response, ids)
+
+
+def _reply(api: "ApiState", turn: TurnRequest, ids: list[int]) -> "Reply":
+    text = ReplyText(api.tokenizer, (), api.tool_format if turn.tools else None)
+    text.push(ids)
+    return text.finish(ids, api.stop_ids)[1]
+
+
+def _finished(turn: TurnRequest, reply: "Reply", stats: "TurnStats", generated: int) -> Response:
+    cut = reply.finish_reason == "length"
+    status = "incomplete" if cut else "completed"
+    output: list[OutputItem] = []
+    if reply.content is not None:
+        output.append(OutputMessage(id=turn.message_id, status=status, content=[OutputText(text=reply.content)]))
+    output += [
+        OutputFunctionCall(id=new_item_id("function_call"), call_id=call.id, name=call.function.name,
+                           arguments=call.function.arguments, status="completed")
+        for call in reply.tool_calls
+    ]
+    usage = ResponseUsage(
+        input_tokens=stats.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=stats.reused_tokens, cache_write_tokens=stats.computed_tokens),
+        output_tokens=generated, total_tokens=stats.prompt_tokens + generated,
+    )
+    incomplete = IncompleteDetails(reason="max_output_tokens") if cut else None
+    return turn.shell.model_copy(update={"status": status, "output": output, "usage": usage, "incomplete_details": incomplete})
+
