@@ -31,12 +31,10 @@ class GrammarError(InvalidRequestError):
 
 
 class Grammar:
-    """A compiled grammar over one engine's vocabulary; `key` is the canonical
-    JSON of the structural tag it was compiled from."""
+    """A compiled grammar over one engine's vocabulary."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, key: str, vocab_size: int, stop_token_ids: list[int]):
-        self.compiled, self.key, self.vocab_size = compiled, key, vocab_size
-        self.stop_token_ids = stop_token_ids
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
+        self.compiled, self.vocab_size = compiled, vocab_size
 
 
 # C0 controls other than tab, newline and carriage return: never text a
@@ -74,16 +72,17 @@ class GrammarCache:
     ones: an agent loop that re-sends the same tools compiles them once."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list[int], capacity: int = 64):
-        self.vocab_size, self.stop_token_ids, self.capacity = vocab_size, list(stop_token_ids), capacity
-        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, self.stop_token_ids), cache_enabled=False)
+        self.vocab_size, self.capacity = vocab_size, capacity
+        self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, list(stop_token_ids)), cache_enabled=False)
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
-        self._lock = threading.Lock()  # handler threads compile concurrently
+        self._lock = threading.Lock()  # requests' handler threads share the cache
         self.compiles = 0
 
     def get(self, structural_tag: dict) -> Grammar:
         """The compiled grammar of an xgrammar structural tag
         ({"type": "structural_tag", "format": {...}}); GrammarError if it does not compile."""
-        key = json.dumps(structural_tag, sort_keys=True, separators=(",", ":"))
+        # Not sorted: the order of a schema's properties is the order the grammar writes them in.
+        key = json.dumps(structural_tag, separators=(",", ":"))
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
@@ -93,7 +92,7 @@ class GrammarCache:
             except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports a bad schema as RuntimeError
                 raise GrammarError(f"cannot build a grammar for this request: {_first_line(e)}") from None
             self.compiles += 1
-            grammar = self._grammars[key] = Grammar(compiled, key, self.vocab_size, self.stop_token_ids)
+            grammar = self._grammars[key] = Grammar(compiled, self.vocab_size)
             if len(self._grammars) > self.capacity:
                 self._grammars.popitem(last=False)
             return grammar

@@ -10,9 +10,11 @@ as an xgrammar structural tag in the chat template's own tool-call syntax.
   required or named tool choice takes precedence over it; under "auto" it
   replaces the marker trigger (the reply is JSON, not a call).
 
-Arguments are JSON as the templates render it (`json.dumps` separators),
-with at most one whitespace character between tokens, so a model cannot
-spend its budget on layout. A tool without parameters takes any JSON object.
+Arguments are JSON with at most one whitespace character between tokens
+(enough for `json.dumps` layout, which the templates render), so a model
+cannot spend its budget on layout, and properties in the schema's order
+(the order the prompt lists them in). A tool without parameters takes any
+JSON object.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def _function(tool: Any) -> dict:
 
 
 def _json(schema: dict | bool) -> dict:
+    # Properties in the schema's order: xgrammar's any_order (0.2.9) stops
+    # enforcing "required".
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
 
 

@@ -18,9 +18,8 @@ from typing import Any
 __all__ = ["parse_tool_calls", "detect_tool_call_format", "new_call_id"]
 
 FORMATS = ("hermes", "llama3_json")
-# An unclosed block at the very end still counts: generation often stops on the
-# closing tag or on EOS right before it.
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_SPACE = re.compile(r"\s*")
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA3_SEPARATORS = " \t\r\n;"
 # Raw control characters (a tab) inside strings are not JSON, but they are
@@ -50,18 +49,33 @@ def _as_call(obj: Any, require_arguments: bool) -> dict | None:
     return {"id": new_call_id(), "name": obj["name"], "arguments": arguments}
 
 
+def _hermes_block(text: str, start: int) -> tuple[dict | None, int]:
+    """The call in the block opened at start, and where the block ends. The
+    JSON is read first, so a closing tag inside one of its strings is data.
+    An unclosed block at the very end still counts: generation often stops
+    on the closing tag or on EOS right before it."""
+    try:
+        obj, end = _DECODER.raw_decode(text, _SPACE.match(text, start + len(_HERMES_OPEN)).end())
+    except json.JSONDecodeError:
+        return None, start
+    end = _SPACE.match(text, end).end()
+    if text.startswith(_HERMES_CLOSE, end):
+        end += len(_HERMES_CLOSE)
+    elif end < len(text):
+        return None, start
+    return _as_call(obj, require_arguments=False), end
+
+
 def _parse_hermes(text: str) -> tuple[str, list[dict]]:
     calls, kept, pos = [], [], 0
-    for match in _HERMES_BLOCK.finditer(text):
-        try:
-            call = _as_call(_DECODER.decode(match.group(1)), require_arguments=False)
-        except json.JSONDecodeError:
-            call = None
-        if call is None:
-            continue
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append(call)
+    start = text.find(_HERMES_OPEN)
+    while start >= 0:
+        call, end = _hermes_block(text, start)
+        if call is not None:
+            kept.append(text[pos:start])
+            pos = end
+            calls.append(call)
+        start = text.find(_HERMES_OPEN, max(end, start + 1))
     if not calls:
         return text, []
     kept.append(text[pos:])

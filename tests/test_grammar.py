@@ -104,10 +104,8 @@ def test_auto_constrains_only_an_opened_call(engine):
 def test_a_35_turn_loop_compiles_its_tools_once(engine):
     tools = TOOLS + [{"type": "function", "function": {"name": "only_in_this_loop"}}]
     before = engine.grammars.compiles
+    # Each turn sends its tools afresh: equal, never the same objects.
     grammars = {id(request_grammar(engine, json.loads(json.dumps(tools)), "required")) for _ in range(35)}
-    # Key order in a schema is not a different grammar.
-    reordered = [{"function": dict(reversed(t["function"].items())), "type": "function"} for t in tools]
-    grammars.add(id(request_grammar(engine, reordered, "required")))
     assert len(grammars) == 1 and engine.grammars.compiles == before + 1
 
 
@@ -198,9 +196,12 @@ def test_bad_options_are_refused_and_change_nothing(engine, options):
     s.close()
 
 
-def test_a_raw_tab_in_a_bounded_string_still_parses_as_a_call():
-    _, calls = parse_tool_calls('<tool_call>\n{"name": "read_file", "arguments": {"path": "a\tb"}}\n</tool_call>')
-    assert calls and calls[0]["arguments"] == {"path": "a\tb"}
+@pytest.mark.parametrize("value", ["a\tb", "</tool_call>"])
+def test_strings_a_grammar_admits_still_parse_as_a_call(value):
+    """A raw tab (xgrammar admits one into a length-bounded string) or a closing tag inside a string."""
+    block = '<tool_call>\n{"name": "read_file", "arguments": {"path": "%s"}}\n</tool_call>' % value
+    content, calls = parse_tool_calls("Reading.\n" + block + "\nDone.")
+    assert [c["arguments"] for c in calls] == [{"path": value}] and content == "Reading.\nDone."
 
 
 def test_responses_api_shapes_give_the_same_grammars(engine):
