@@ -76,20 +76,33 @@ def _key_views(flat: torch.Tensor, keys: object) -> list[torch.Tensor]:
     return [flat[:, s : s + n] for s, n in keys]
 
 
-def _decode_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """One query per head over keys in several pieces, without joining them:
-    scores of all pieces side by side, one softmax, outputs summed by piece."""
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
+def _few_queries_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """A few queries [Δ, Hq, D] (a decode step, a speculative verify) at the
+    end of keys held in several pieces, without joining the pieces (joining
+    copies the whole context in every layer): scores of all pieces side by
+    side, causal within the last Δ keys, one softmax, outputs summed by piece."""
+    num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k_parts[0].shape[0]
-    qg = q.view(num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [Hkv, G, D]
+    group = num_q_heads // num_kv_heads
+    # [Hkv, G * Δ, D]: each KV head's query group as one block of rows.
+    qg = q.transpose(0, 1).reshape(num_kv_heads, group * num_q, head_dim)
     scores = torch.cat([torch.matmul(qg, k.transpose(1, 2)) for k in k_parts], dim=-1).float() * scale
+    if num_q > 1:
+        future = torch.ones(num_q, num_q, dtype=torch.bool, device=q.device).triu(1)
+        tail = scores[..., -num_q:].view(num_kv_heads, group, num_q, num_q)
+        tail.masked_fill_(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out, offset = None, 0
     for v in v_parts:
         part = torch.matmul(probs[..., offset : offset + v.shape[1]], v)
         out = part if out is None else out + part
         offset += v.shape[1]
-    return out.reshape(1, num_q_heads, head_dim)
+    return out.view(num_q_heads, num_q, head_dim).transpose(0, 1)
+
+
+# Up to this many queries a chunk reads its keys in place (_few_queries_over_runs);
+# longer chunks join them and take the flash kernel (_chunk_attention).
+FEW_QUERIES = 16
 
 
 _attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -149,8 +162,8 @@ def paged_attention(
     for q_len, (keys, mask) in zip(meta.query_lens_list, plan):
         qi = q[start : start + q_len]
         k_parts, v_parts = _key_views(k_flat, keys), _key_views(v_flat, keys)
-        if mask is None and q_len == 1:
-            out[start] = _decode_over_runs(qi, k_parts, v_parts, scale)[0]
+        if mask is None and q_len <= FEW_QUERIES:
+            out[start : start + q_len] = _few_queries_over_runs(qi, k_parts, v_parts, scale)
         else:
             k = k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, dim=1)
             v = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts, dim=1)
