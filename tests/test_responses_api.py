@@ -5,6 +5,7 @@ say the same as the whole conversation sent through chat completions."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import openai
@@ -140,6 +141,25 @@ def test_branches_match_independent_full_histories(server):
         assert outputs(server.respond(whole)) == outputs(branch)
 
 
+def test_concurrent_continuations_of_one_response(server):
+    root = server.respond([ask("Bonn")])
+    inputs = [tool_results(root, 0) + [ask(city)] for city in ("Gent", "Graz")]
+    alone = [outputs(server.respond(items, previous=root.id, store=False)) for items in inputs]
+    together: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait(30)
+        together[i] = outputs(server.respond(inputs[i], previous=root.id))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert together == alone
+
+
 def test_evicted_response_continues_from_what_is_cached(server):
     key = "tenant-evict"  # a namespace of its own: no other test's pages match its prompts
     root = server.respond([ask("Cairo")], key=key)
@@ -195,6 +215,7 @@ def test_stream_events(server):
     deltas = "".join(e.delta for e in text_events if e.type == "response.output_text.delta")
     assert deltas == message.content[0].text
     assert [e.type for e in text_events[2:4]] == ["response.output_item.added", "response.content_part.added"]
+    assert text_events[-1].type == f"response.{final.status}"
     if final.status == "incomplete":
         assert final.incomplete_details.reason == "max_output_tokens" and final.usage.output_tokens == 12
     else:

@@ -14,7 +14,6 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from engine.api.schemas import RequestBody
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-ResponseStatus = Literal["completed", "incomplete"]
 
 
 class ContentPart(RequestBody):

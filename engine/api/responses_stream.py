@@ -5,9 +5,9 @@ no [DONE].
 The reply's text goes out as it is decoded (held back where it could still
 become a tool call, as chat completions do); its message item is opened at the
 first text shown. Function calls go out once the reply has ended, each as an
-item with its arguments in one delta. The last event is response.completed
-with the whole response (also for an incomplete one, as OpenAI sends it); an
-error after the stream began is one `error` event.
+item with its arguments in one delta. The last event carries the whole
+response: response.completed, or response.incomplete when it ran out of
+max_output_tokens; an error after the stream began is one `error` event.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ async def response_events(
             for event in _function_call(ev, item, index):
                 yield event
         yield ev("response.output_item.done", output_index=index, item=item)
-    yield ev("response.completed", response=turn.response)
+    yield ev(f"response.{turn.response.status}", response=turn.response)
 
 
 def _open_message(ev: _Events, message: OutputMessage) -> list[str]:
