@@ -21,6 +21,11 @@ rotates from turn to turn, so noise on the shared cores falls on all alike.
 Bytes are the HTTP request bodies the client sent (vLLM's: the chat side's
 body, the same request).
 
+Memory: the engine's pool is sized to hold every agent's context twice (the
+Responses side's tenant and chat's namespace share nothing): for the 35-turn
+workflow on the SmolLM2 shape in float32 about 10 GiB, allocated up front,
+plus vLLM's KV (about 6 GB); --dtype bfloat16 halves both.
+
     python -m experiments.bench_responses [--workflow 35] [--shape smollm2-135m | --model DIR]
         [--systems responses,chat,vllm-apc] [--max-turns N] [--max-gen N] [--threads 2] [--out DIR]
 """
