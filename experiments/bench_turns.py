@@ -192,7 +192,11 @@ def workflow(name: str, seed: int):
     return {"6": six_turn_workflow, "35": thirty_five_turn_workflow}[name](seed)
 
 
-def prepare_requests(tokenizer, wf, max_turns: int | None, max_gen: int | None) -> list[Request]:
+def prepare_requests(tokenizer, wf, max_turns: int | None, max_gen: int | None,
+                     max_context: int | None = None) -> list[Request]:
+    """The workflow's turns as requests; turns whose prompt and reply would not
+    fit max_context (the model's positions) are left out, as every system
+    would have to refuse them."""
     reqs = []
     for i, turn in enumerate(wf.turns()):
         if max_turns is not None and i >= max_turns:
@@ -200,6 +204,8 @@ def prepare_requests(tokenizer, wf, max_turns: int | None, max_gen: int | None) 
         ids = tokenizer.apply_chat_template(turn.request, tools=turn.tools, add_generation_prompt=True)
         n = reply_token_count(tokenizer, turn.request, turn.tools, turn.reply, ids)
         gen = min(n, max_gen) if max_gen else n
+        if max_context is not None and len(ids) + gen > max_context:
+            continue
         reqs.append(Request(i, turn.agent, turn.index, turn.request, turn.tools, ids, gen, n))
     return reqs
 
@@ -554,10 +560,12 @@ def run(args) -> dict:
     wf = workflow(args.workflow, args.seed)
     out_dir = Path(args.out) if args.out else run_dir("bench_turns")
     out_dir.mkdir(parents=True, exist_ok=True)
+    max_context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     if args.live:
         wf = live_transcript(path, tokenizer, wf, args)
         (out_dir / "live_workflow.json").write_text(wf.to_json())
-    reqs = prepare_requests(tokenizer, wf, args.max_turns, args.max_gen)
+    reqs = prepare_requests(tokenizer, wf, args.max_turns, args.max_gen, max_context)
+    turns_total = min(len(wf.schedule), args.max_turns or len(wf.schedule))
     log = out_dir / "peers.log"
 
     skipped: dict[str, str] = {}
@@ -690,7 +698,8 @@ def run(args) -> dict:
         "machine": machine() | {"load": os.getloadavg(), "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
         "model": str(path),
         "workflow": {"name": args.workflow, "shape": wf.shape, "seed": args.seed, "turns_total": len(list(wf.turns())),
-                     "turns_run": len(reqs)},
+                     "turns_run": len(reqs), "max_context": max_context,
+                     "turns_over_context": [i + 1 for i in range(turns_total) if i not in {r.index for r in reqs}]},
         "requests": [{"turn": r.index + 1, "agent": r.agent, "agent_turn": r.agent_turn, "prompt": len(r.ids),
                       "gen": r.gen, "reply_tokens": r.reply_tokens} for r in reqs],
         "systems_requested": systems,
@@ -747,6 +756,10 @@ def report(res: dict) -> str:
         lines.append(f"from-scratch systems ({', '.join(s for s in systems if s in FROM_SCRATCH_SYSTEMS)}) served turns "
                      f"{every}, {2 * every}, ... and the last; their e2e and ratios cover those turns only (the reference's "
                      f"same turns)")
+    over = res["workflow"].get("turns_over_context")
+    if over:
+        lines.append(f"turns left out, their prompt and reply over the model's {res['workflow']['max_context']} "
+                     f"positions: {', '.join(map(str, over))}")
     lines.append(f"ran: {', '.join(systems) or 'none'}")
     for s, why in res["skipped"].items():
         lines.append(f"skipped {s}: {why}")

@@ -5,7 +5,8 @@ with a persistent session; every reply it writes (text and parsed tool calls)
 replaces the reference reply in that agent's history, so later turns re-send
 what the model said, as an agent framework would. Tool results stay the
 workflow's: the tools are simulated, and a model that calls a different tool
-still gets the scripted answer.
+still gets the scripted answer. A turn whose prompt and reply would not fit
+the model's context keeps its reference reply (the replay leaves it out).
 
 The returned workflow is then replayed teacher-forced by every benchmarked
 system: same weights and greedy decoding reproduce these replies, so each
@@ -50,10 +51,13 @@ def live_workflow(engine: Engine, wf: Workflow, max_gen: int, max_turns: int | N
         for agent in tqdm(schedule, desc="live transcript", unit="turn"):
             conv = conversations[agent]
             at = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"][cursor[agent]]
+            cursor[agent] += 1
+            prompt = engine.tokenizer.apply_chat_template(conv.messages[:at], tools=conv.tools, add_generation_prompt=True)
+            if len(prompt) >= engine.max_context:  # no system could serve it: the replay leaves it out
+                continue
             result = engine.chat(conv.messages[:at], tools=conv.tools, session=sessions[agent], max_tokens=max_gen,
                                  temperature=0.0)
             conv.messages[at] = _as_message(result.text, result.tool_calls, conv.messages[at])
-            cursor[agent] += 1
     finally:
         for s in sessions.values():
             s.close()

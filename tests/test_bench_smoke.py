@@ -120,3 +120,15 @@ def test_live_replay_replays_the_models_own_replies(tmp_path):
         assert replies[n:] == refs[n:]  # turns not served keep the reference
         changed += sum(a != b for a, b in zip(replies[:n], refs[:n]))
     assert changed == 3
+
+
+def test_turns_over_the_models_context_are_left_out(tmp_path):
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(bench_turns.prepare_checkpoint("tiny", 0))
+    wf = bench_turns.workflow("6", 0)
+    every = bench_turns.prepare_requests(tokenizer, wf, None, 4)
+    limit = sorted(len(r.ids) + r.gen for r in every)[2]
+    kept = bench_turns.prepare_requests(tokenizer, wf, None, 4, max_context=limit)
+    assert [r.index for r in kept] == [r.index for r in every if len(r.ids) + r.gen <= limit]
+    assert 3 <= len(kept) < len(every)
