@@ -26,6 +26,12 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache's pages")
+    parser.add_argument("--no-constrain-auto", action="store_true",
+                        help="decode tool_choice \"auto\" unconstrained (default: a call the model opens is held to "
+                             "the tools' schemas)")
+    parser.add_argument("--max-stored-responses", type=int, default=4096,
+                        help="Responses API responses kept for previous_response_id; past that the least recently "
+                             "used expire (404)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -36,10 +42,11 @@ def serve(argv: list[str]) -> None:
 
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
     log.info("loading %s", args.model or "the embedded default model")
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30))
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+                                    constrain_auto=not args.no_constrain_auto)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
-    uvicorn.run(create_app(engine, name), host=args.host, port=args.port)
+    uvicorn.run(create_app(engine, name, args.max_stored_responses), host=args.host, port=args.port)
 
 
 def main(argv: list[str]) -> None:

@@ -255,6 +255,29 @@ def test_retrieve_list_input_items_and_delete(server):
     assert server.engine.pool.num_free >= free
 
 
+def test_least_recently_used_responses_expire_past_the_cap():
+    engine = Engine.from_pretrained(num_pages=512)
+    with TestClient(create_app(engine, MODEL, max_stored_responses=2)) as http:
+        server = Server(engine, http)
+        a = server.respond([ask("Nuuk")], max_output_tokens=4)
+        b = server.respond([ask("Baku")], max_output_tokens=4)
+        child = server.respond([ask("Lima")], previous=a.id, max_output_tokens=4)  # uses a: b is the oldest
+        assert len(server.store) == 2
+        for gone in (b.id,):
+            with pytest.raises(openai.NotFoundError):
+                server.client().responses.retrieve(gone)
+            with pytest.raises(openai.NotFoundError):
+                server.respond([ask("Oslo")], previous=gone, max_output_tokens=4)
+        server.respond([ask("Kyiv")], max_output_tokens=4)  # expires a, the parent of child
+        with pytest.raises(openai.NotFoundError):
+            server.client().responses.retrieve(a.id)
+        # child keeps its own session and the whole conversation.
+        held = server.session(child.id).table.length
+        again = server.respond([ask("Oslo")], previous=child.id, max_output_tokens=4)
+        assert again.usage.input_tokens_details.cached_tokens == held
+    assert_all_pages_free(engine)
+
+
 BAD_REQUESTS = [
     ("unknown previous response", {"previous_response_id": "resp_nope"}, KEY, 404),
     ("another tenant's response", {}, "tenant-b", 404),

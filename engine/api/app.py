@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from engine.api import chat, completions, responses, session_routes
 from engine.api.errors import install_error_handlers
 from engine.api.metrics import RequestCounter
-from engine.api.response_store import ResponseStore
+from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from engine.api.schemas import ModelCard, ModelList
 from engine.api.state import ApiState
 
@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 DRAIN_TIMEOUT_S = 30.0
 
 
-def create_app(engine: "Engine", model_name: str) -> FastAPI:
+def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DEFAULT_MAX_RESPONSES) -> FastAPI:
     api = ApiState.for_engine(engine, model_name)
-    store = ResponseStore()
+    store = ResponseStore(max_stored_responses)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

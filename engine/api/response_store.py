@@ -9,10 +9,16 @@ filled last one. Idle sessions are parked by the engine's usual policy
 tokens stay, and the next fork re-matches them (what is no longer cached is
 recomputed). A response belongs to the tenant that made it: to any other one
 it does not exist (404).
+
+Retention: the store keeps at most `max_responses`; past that the least
+recently used one expires (its session closes, its id answers 404). The
+responses continued from it keep working: each holds its own session, and the
+conversation's messages stay reachable through them.
 """
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -66,9 +72,15 @@ def _missing(response_id: str):
     return not_found(f"no response {response_id!r}", "response_not_found", "previous_response_id")
 
 
+DEFAULT_MAX_RESPONSES = 4096
+
+
 class ResponseStore:
-    def __init__(self) -> None:
-        self._entries: dict[str, StoredResponse] = {}
+    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES) -> None:
+        if max_responses < 1:
+            raise ValueError("max_responses must be at least 1")
+        self.max_responses = max_responses
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._closed = False
         self._running = 0
@@ -92,18 +104,25 @@ class ResponseStore:
                 self._running -= 1
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
-        entry = self._entries.get(response_id)
-        if entry is None or entry.tenant != tenant:
-            raise _missing(response_id)
-        return entry
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None or entry.tenant != tenant:
+                raise _missing(response_id)
+            self._entries.move_to_end(response_id)
+            return entry
 
     def put(self, entry: StoredResponse) -> None:
+        expired: list[StoredResponse] = []
         with self._lock:
             closed = self._closed
             if not closed:
                 self._entries[entry.id] = entry
+                while len(self._entries) > self.max_responses:
+                    expired.append(self._entries.popitem(last=False)[1])
         if closed:  # the server is shutting down: nobody can continue it
-            entry.close()
+            expired.append(entry)
+        for old in expired:
+            old.close()
 
     def delete(self, response_id: str, tenant: str) -> None:
         with self._lock:
