@@ -59,6 +59,7 @@ class Engine:
         prefix_cache: bool = True,
         prefix_match: str = "token",
         pin_ttl: float | None = 300.0,
+        constrain_auto: bool = True,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -77,6 +78,10 @@ class Engine:
         # page-aligned radix trees do: the baseline token granularity beats.
         self.prefix_match = prefix_match
         self.pin_ttl = pin_ttl
+        # Under tool_choice "auto", hold a call the model opens to the tools'
+        # schemas (engine.structured). Off, "auto" decodes unconstrained, as
+        # servers that only parse calls do.
+        self.constrain_auto = constrain_auto
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []

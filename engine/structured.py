@@ -145,6 +145,9 @@ def request_grammar(
     """The compiled grammar (cached per engine) that constrains a reply to
     these OpenAI-style options, or None when nothing constrains it. Pass the
     result to Session.generate(grammar=...). GrammarError (a 400) on bad
-    options or schemas; nothing is changed then."""
+    options or schemas; nothing is changed then. With engine.constrain_auto
+    off, tool_choice "auto" (or none given) constrains nothing."""
     tag = structural_tag(tools, tool_choice, response_format, tool_call_format(engine.tokenizer), parallel_tool_calls)
-    return None if tag is None else engine.grammars.get(tag)
+    if tag is None or (not engine.constrain_auto and tool_choice in (None, "auto") and response_format is None):
+        return None
+    return engine.grammars.get(tag)

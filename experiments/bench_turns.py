@@ -267,7 +267,7 @@ def live_transcript(path: Path, tokenizer, wf, args):
     from model.loader import load_model
 
     model = load_model(path, getattr(torch, args.dtype))
-    eng = Engine(model, tokenizer, page_size=args.page_size)
+    eng = Engine(model, tokenizer, page_size=args.page_size, constrain_auto=False)  # as the replaying systems
     live = live_workflow(eng, wf, args.max_gen or LIVE_MAX_GEN, args.max_turns)
     del eng, model
     gc.collect()
@@ -302,7 +302,10 @@ class EngineSystem(System):
         kind = self.name
         self.eng = Engine(self.model, self.tokenizer, page_size=self.args.page_size, num_pages=self.pages,
                           stateless=kind == "stateless", prefix_cache=kind != "stateless",
-                          prefix_match="block" if kind == "block" else "token")
+                          prefix_match="block" if kind == "block" else "token",
+                          # The peers decode "auto" tool calls unconstrained: so does the engine here,
+                          # so that every system generates the same greedy tokens.
+                          constrain_auto=False)
 
     def turn(self, r: Request) -> dict:
         eng = self.eng

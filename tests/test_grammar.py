@@ -101,6 +101,20 @@ def test_auto_constrains_only_an_opened_call(engine):
     assert not state.accept(tok.encode("delete")[0])  # no such tool
 
 
+def test_auto_is_free_when_the_engine_does_not_constrain_it(engine):
+    engine.constrain_auto = False
+    try:
+        assert request_grammar(engine, tools=TOOLS, tool_choice="auto") is None
+        assert request_grammar(engine, tools=TOOLS) is None
+        # What the request asks for explicitly is still enforced, and bad options still refused.
+        assert request_grammar(engine, tools=TOOLS, tool_choice="required") is not None
+        assert request_grammar(engine, tools=TOOLS, response_format={"type": "json_object"}) is not None
+        with pytest.raises(GrammarError):
+            request_grammar(engine, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    finally:
+        engine.constrain_auto = True
+
+
 def test_a_35_turn_loop_compiles_its_tools_once(engine):
     tools = TOOLS + [{"type": "function", "function": {"name": "only_in_this_loop"}}]
     before = engine.grammars.compiles
