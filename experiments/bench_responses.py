@@ -43,6 +43,7 @@ import httpx
 import openai
 import torch
 from fastapi.testclient import TestClient
+from tqdm import tqdm
 
 from experiments.bench_turns import (
     Request,
@@ -242,7 +243,7 @@ def run(args, out_dir: Path) -> dict:
         rows: dict[str, list[dict]] = {x.name: [] for x in live}
         conversations: dict[str, list[dict]] = {}
         agreement = []
-        for i, t in enumerate(turns):
+        for i, t in enumerate(tqdm(turns, desc="turns", unit="turn")):
             messages = conversations.setdefault(t.request.agent, []) + t.messages
             k = i % len(live)
             for x in live[k:] + live[:k]:
