@@ -519,7 +519,7 @@ def vllm_system(kind: str, path: Path, reqs: list[Request], args, log: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "TOKENIZERS_PARALLELISM": "false"}
     spec = {"model": str(path), "dtype": args.dtype, "threads": args.threads, "apc": kind == "vllm-apc",
-            "block_size": 128, "max_model_len": max(len(r.ids) + r.gen for r in reqs) + 16,
+            "block_size": 128, "max_model_len": min(max(len(r.ids) + r.gen for r in reqs) + 16, cfg["max_position_embeddings"]),
             "warmup_ids": reqs[0].ids[:256]}
     peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
                       env, spec, log, args.peer_timeout)
@@ -754,11 +754,11 @@ def report(res: dict) -> str:
                  f"system / {ref} (above 1: {ref} is faster); greedy agree: share of each turn's generated tokens "
                  f"equal to {ref}'s, before the first difference; load: the 1-minute load average before each of its turns, median / max (2 cores: "
                  f"above 2 means other work shared them)")
-    every = res["args"].get("from_scratch_every", 1)
-    if every > 1:
-        lines.append(f"from-scratch systems ({', '.join(s for s in systems if s in FROM_SCRATCH_SYSTEMS)}) served turns "
-                     f"{every}, {2 * every}, ... and the last; their e2e and ratios cover those turns only (the reference's "
-                     f"same turns)")
+    sampled = [s for s in systems if s in FROM_SCRATCH_SYSTEMS]
+    if res["args"].get("from_scratch_every", 1) > 1 and sampled:
+        served = [r["turn"] for r, t in zip(res["requests"], res["results"][sampled[0]]["turns"]) if t["latency_s"] is not None]
+        lines.append(f"from-scratch systems ({', '.join(sampled)}) served turns {', '.join(map(str, served))} only; "
+                     f"their e2e and ratios cover those turns (against the reference's same turns)")
     over = res["workflow"].get("turns_over_context")
     if over:
         lines.append(f"turns left out, their prompt and reply over the model's {res['workflow']['max_context']} "
