@@ -105,11 +105,15 @@ class ResponseStore:
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is None or entry.tenant != tenant:
-                raise _missing(response_id)
+            entry = self._lookup(response_id, tenant)
             self._entries.move_to_end(response_id)
             return entry
+
+    def _lookup(self, response_id: str, tenant: str) -> StoredResponse:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.tenant != tenant:
+            raise _missing(response_id)
+        return entry
 
     def put(self, entry: StoredResponse) -> None:
         expired: list[StoredResponse] = []
@@ -126,7 +130,7 @@ class ResponseStore:
 
     def delete(self, response_id: str, tenant: str) -> None:
         with self._lock:
-            entry = self.get(response_id, tenant)
+            entry = self._lookup(response_id, tenant)
             del self._entries[response_id]
         entry.close()
 
