@@ -237,9 +237,12 @@ def run(args, out_dir: Path) -> dict:
                 sized = [Request(r.index, r.agent, r.agent_turn, r.messages, r.tools,
                                  r.ids + [r.ids[-1]] * (ECHO_SLACK_TOKENS * (r.agent_turn + 1)), r.gen, r.reply_tokens)
                          for r in reqs]
-                live.append(VllmSystem(vllm_system(s, path, sized, args, out_dir / "peers.log"), tokenizer))
+                # The prompts grow with the model's own replies, unknown in advance: vLLM may take the model's whole context.
+                positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+                live.append(VllmSystem(vllm_system(s, path, sized, args, out_dir / "peers.log", positions), tokenizer))
         for x in live:
             x.warm_up(turns[0])
+        started = list(live)
         rows: dict[str, list[dict]] = {x.name: [] for x in live}
         conversations: dict[str, list[dict]] = {}
         agreement = []
@@ -247,11 +250,18 @@ def run(args, out_dir: Path) -> dict:
             messages = conversations.setdefault(t.request.agent, []) + t.messages
             k = i % len(live)
             for x in live[k:] + live[:k]:
-                rows[x.name].append(x.turn(t, messages))
+                try:
+                    rows[x.name].append(x.turn(t, messages))
+                except Exception as e:  # noqa: BLE001 - a peer that fails drops out, the others go on
+                    if x.name in ("responses", "chat"):
+                        raise
+                    skipped[x.name] = f"failed at turn {i + 1}: {type(e).__name__}: {e}"
+            live = [x for x in live if x.name not in skipped]
+            rows = {name: r for name, r in rows.items() if name not in skipped}
             replies = [rows[s][-1]["reply"] for s in ("responses", "chat") if s in rows]
             agreement.append(all(same_reply(replies[0], r) for r in replies[1:]))
             conversations[t.request.agent] = messages + [replies[0] if replies else {"role": "assistant", "content": ""}]
-        for x in live:
+        for x in started:
             if isinstance(x, VllmSystem):
                 x.peer.close()
     return {

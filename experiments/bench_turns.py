@@ -508,7 +508,10 @@ class PeerSystem(System):
         self.logf.close()
 
 
-def vllm_system(kind: str, path: Path, reqs: list[Request], args, log: Path) -> PeerSystem:
+def vllm_system(kind: str, path: Path, reqs: list[Request], args, log: Path,
+                max_model_len: int | None = None) -> PeerSystem:
+    """max_model_len: vLLM's limit on prompt + reply; by default the longest
+    request's, for callers that know every prompt in advance."""
     # KV room for every agent's context (APC keeps them), in the run's dtype.
     cfg = json.loads((path / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -519,7 +522,8 @@ def vllm_system(kind: str, path: Path, reqs: list[Request], args, log: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb), "TOKENIZERS_PARALLELISM": "false"}
     spec = {"model": str(path), "dtype": args.dtype, "threads": args.threads, "apc": kind == "vllm-apc",
-            "block_size": 128, "max_model_len": min(max(len(r.ids) + r.gen for r in reqs) + 16, cfg["max_position_embeddings"]),
+            "block_size": 128, "max_model_len": max_model_len or min(max(len(r.ids) + r.gen for r in reqs) + 16,
+                                                                 cfg["max_position_embeddings"]),
             "warmup_ids": reqs[0].ids[:256]}
     peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
                       env, spec, log, args.peer_timeout)
