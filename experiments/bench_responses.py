@@ -54,7 +54,7 @@ from experiments.bench_turns import (
     vllm_system,
     workflow,
 )
-from experiments.common import SHAPES, machine, median, run_dir, table, write_json
+from experiments.common import SHAPES, machine, median, parse_systems, run_dir, table, write_json
 
 SYSTEMS = ("responses", "chat", "vllm-apc")
 LABELS = {
@@ -211,10 +211,7 @@ def run(args, out_dir: Path) -> dict:
     from model.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    systems = parse_systems(args.systems, SYSTEMS)
     path = Path(args.model) if args.model else prepare_checkpoint(args.shape, args.seed)
     tokenizer = Tokenizer.from_dir(path)
     turns = agent_turns(tokenizer, workflow(args.workflow, args.seed), args.max_turns, args.max_gen)

@@ -88,7 +88,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from experiments.common import SHAPES, machine, median, random_model, run_dir, table, write_json
+from experiments.common import SHAPES, machine, median, parse_systems, random_model, run_dir, table, write_json
 from experiments.workloads import six_turn_workflow, thirty_five_turn_workflow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -558,10 +558,7 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
-    if unknown:
-        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(ALL_SYSTEMS)}")
+    systems = parse_systems(args.systems, ALL_SYSTEMS)
     path = Path(args.model) if args.model else prepare_checkpoint(args.shape, args.seed)
     tokenizer = Tokenizer.from_dir(path)
     wf = workflow(args.workflow, args.seed)

@@ -40,6 +40,15 @@ def random_model(shape: str, dtype: torch.dtype, seed: int = 0, device: str = "c
     return model
 
 
+def parse_systems(text: str, known: tuple[str, ...]) -> list[str]:
+    """A benchmark's comma-separated --systems, each one it knows."""
+    systems = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in known]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(known)}")
+    return systems
+
+
 def run_dir(name: str) -> Path:
     path = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
