@@ -248,13 +248,20 @@ def test_disconnect_mid_stream_leaks_nothing(server):
     bystander_alone = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     body = {"model": MODEL, "messages": USER, "stream": True, "max_tokens": 300, "temperature": 1.0, "seed": 1,
             "session_id": "dropped", "ignore_eos": True}
+    # The role chunk goes out before the first token; holding the engine lock
+    # from then on stalls generation, so the stream is surely closed mid-way
+    # however fast the machine decodes.
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the role chunk
-        bystander = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
-    # Closed mid-stream: the generation runs on to its end and the session keeps it.
-    assert server.session_info("dropped")["busy"]
+        server.engine.lock.acquire()
+    try:
+        # Closed mid-stream: the generation runs on to its end and the session keeps it.
+        assert server.session_info("dropped")["busy"]
+    finally:
+        server.engine.lock.release()
+    bystander = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     server.wait_idle()
     assert bystander.choices[0].message.content == bystander_alone.choices[0].message.content
     info = server.session_info("dropped")
