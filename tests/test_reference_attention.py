@@ -37,8 +37,9 @@ def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, scale: float,
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'runs' if c[5] else 'scattered'}")
-def test_reference_matches_naive(case):
+def build(case, dtype: torch.dtype = torch.float32):
+    """A paged cache holding random keys for each sequence of the case, its
+    metadata, the queries, and the keys and values in position order."""
     page_size, (hq, hkv), d, spec, window, contiguous = case
     g = torch.Generator().manual_seed(1)
     seq_lens = [q + c for q, c in spec]
@@ -50,17 +51,47 @@ def test_reference_matches_naive(case):
         tables.append(order[start : start + n])
         start += n
     meta = AttnMetadata.build([q for q, _ in spec], seq_lens, tables, page_size)
-    k_cache = torch.full((total, page_size, hkv, d), float("nan"))
+    k_cache = torch.full((total, page_size, hkv, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     ks, vs = [], []
     for table, s_len in zip(tables, seq_lens):
-        kk, vv = torch.randn(s_len, hkv, d, generator=g), torch.randn(s_len, hkv, d, generator=g)
+        kk = torch.randn(s_len, hkv, d, generator=g).to(dtype)
+        vv = torch.randn(s_len, hkv, d, generator=g).to(dtype)
         for pos in range(s_len):
             k_cache[table[pos // page_size], pos % page_size] = kk[pos]
             v_cache[table[pos // page_size], pos % page_size] = vv[pos]
         ks.append(kk)
         vs.append(vv)
-    q = torch.randn(sum(q for q, _ in spec), hq, d, generator=g)
-    scale = d**-0.5
-    got = reference.paged_attention(q, k_cache, v_cache, meta, scale, window)
-    torch.testing.assert_close(got, naive(q, ks, vs, spec, scale, window), atol=2e-5, rtol=2e-5)
+    q = torch.randn(sum(q for q, _ in spec), hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta, ks, vs
+
+
+def case_id(c) -> str:
+    return f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'runs' if c[5] else 'scattered'}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_reference_matches_naive(case):
+    q, k_cache, v_cache, meta, ks, vs = build(case)
+    scale = case[2] ** -0.5
+    got = reference.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
+    torch.testing.assert_close(got, naive(q, ks, vs, case[3], scale, case[4]), atol=2e-5, rtol=2e-5)
+
+
+# bf16 on CPU takes its own matmul paths (per-KV-head pieces, blocked chunks).
+# Shrunk thresholds send these small cases through them, across block
+# boundaries; the last case is full-size at the default thresholds.
+BF16_CASES = CASES + [(16, (9, 3), 64, [(1, 1500), (300, 1200), (16, 2000)], 0, False)]
+
+
+@pytest.mark.parametrize("shrunk", [True, False], ids=["shrunk-thresholds", "default-thresholds"])
+@pytest.mark.parametrize("case", BF16_CASES, ids=case_id)
+def test_reference_bf16_matches_naive(case, shrunk, monkeypatch):
+    if shrunk:
+        monkeypatch.setattr(reference, "PER_HEAD_MIN_KEYS", 1)
+        monkeypatch.setattr(reference, "BF16_BLOCK_ROWS", 8)
+    q, k_cache, v_cache, meta, ks, vs = build(case, torch.bfloat16)
+    scale = case[2] ** -0.5
+    got = reference.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
+    # bf16 rounds the scores (as HF's eager bf16 attention does) and the output.
+    torch.testing.assert_close(got, naive(q, ks, vs, case[3], scale, case[4]), atol=3e-2, rtol=3e-2)
