@@ -63,6 +63,7 @@ class Engine:
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
+        model.prepack()
         self.tokenizer = tokenizer
         if num_pages is None:
             num_pages = PagePool.pages_for_budget(

@@ -1,0 +1,63 @@
+"""oneDNN's packed linears against plain matmuls, alone and in the model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.common import random_model
+from kernels.metadata import AttnMetadata
+from model import onednn_linear
+from model.llama import linear
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
+def needs(dtype: torch.dtype) -> None:
+    if not onednn_linear.supported(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN does not run {dtype} linears on this CPU")
+
+
+@pytest.mark.parametrize("dtype_tol", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_matmul(dtype_tol, rows, bias):
+    dtype, tol = dtype_tol
+    needs(dtype)
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 160, generator=g).to(dtype)  # [in, out]
+    b = torch.randn(160, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    want = x.double() @ weight.double() + (b.double() if bias else 0)
+    got = linear(x, weight, b, onednn_linear.pack(weight))
+    assert got.dtype == dtype and got.shape == (rows, 160)
+    torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+
+
+def _logits(model, n: int) -> torch.Tensor:
+    cfg = model.cfg
+    pages = -(-n // 16)
+    kv = torch.zeros(cfg.num_layers, 2, pages, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    meta = AttnMetadata.build([n], [n], [list(range(pages))], 16)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    return model(ids, meta, kv)
+
+
+@pytest.mark.parametrize("dtype_tol", DTYPES, ids=["fp32", "bf16"])
+def test_prepacked_model_matches_plain(dtype_tol):
+    dtype, tol = dtype_tol
+    needs(dtype)
+    model = random_model("tiny", dtype)
+    plain = _logits(model, 40)
+    model.prepack()
+    assert set(model.packed) == {"lm_head"}
+    assert set(model.blocks[0].attn.packed) == {"qkv_weight", "o_weight"}
+    assert set(model.blocks[0].mlp.packed) == {"gate_up_weight", "down_weight"}
+    packed = _logits(model, 40)
+    # bf16 rounds each layer's output; the differences compound over 4 layers.
+    torch.testing.assert_close(packed, plain, atol=tol * 10, rtol=tol * 10)
+
+
+def test_prepack_skips_what_onednn_does_not_run():
+    model = random_model("tiny", torch.float16)
+    model.prepack()
+    assert not model.packed and not model.blocks[0].attn.packed
