@@ -107,19 +107,19 @@ class Transformer(nn.Module):
         return self.embed.device
 
     @torch.inference_mode()
-    def prepack(self) -> None:
+    def prepack(self, enabled: bool = True) -> None:
         """Pack every linear weight for oneDNN where it runs this dtype on this
         device (see model/onednn_linear.py); forward then uses the packed
         copies. They are copies of the weights as they are now: call it again
-        after changing the weights."""
-        if not onednn_linear.supported(self.dtype, self.device):
-            return
+        after changing the weights. enabled=False drops them (the plain
+        matmuls, for ablations)."""
+        enabled = enabled and onednn_linear.supported(self.dtype, self.device)
         for module in self.modules():
             if hasattr(module, "packed"):
                 module.packed = {
                     name: onednn_linear.pack(p)
                     for name, p in module.named_parameters(recurse=False)
-                    if name.endswith("_weight") or name == "lm_head"
+                    if enabled and (name.endswith("_weight") or name == "lm_head")
                 }
 
     @torch.inference_mode()

@@ -55,6 +55,9 @@ def test_prepacked_model_matches_plain(dtype_tol):
     packed = _logits(model, 40)
     # bf16 rounds each layer's output; the differences compound over 4 layers.
     torch.testing.assert_close(packed, plain, atol=tol * 10, rtol=tol * 10)
+    model.prepack(False)
+    assert not model.packed and not model.blocks[0].mlp.packed
+    torch.testing.assert_close(_logits(model, 40), plain, atol=0, rtol=0)
 
 
 def test_prepack_skips_what_onednn_does_not_run():
