@@ -26,10 +26,13 @@ def default_model_dir() -> Path:
 def random_init(model: Transformer, seed: int) -> None:
     """Normal(0, 0.02) weights, unit norms: deterministic for a seed."""
     gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm"):
-            p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)  # drawn on the CPU: same weights on any device
-    if model.cfg.tie_word_embeddings:
-        model.lm_head.data.copy_(model.embed.data.t())
+    # Writes under no_grad, not through .data: they must move the weights'
+    # version counters, by which packed copies notice (onednn_linear.PackedWeights).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)  # drawn on the CPU: same weights on any device
+        if model.cfg.tie_word_embeddings:
+            model.lm_head.copy_(model.embed.t())

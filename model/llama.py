@@ -12,6 +12,7 @@ from torch import nn
 import kernels
 from kernels import AttnMetadata
 from model import onednn_linear
+from model.onednn_linear import PackedWeights
 from model.config import ModelConfig
 from model.rope import rope_tables
 
@@ -21,15 +22,15 @@ def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights | None = None
 ) -> torch.Tensor:
     """x @ weight (+ bias) with weight stored [in, out]: for one-row decode
     steps on CPU this reads weights about twice as fast as [out, in]. With
-    packed (Transformer.prepack's copy of weight) oneDNN runs it instead,
-    except for one fp32 row, which its plain path reads faster (a decode step
+    packed (see Transformer.prepack) oneDNN runs it on a packed copy instead,
+    except for one fp32 row, which the plain path reads faster (a decode step
     of the SmolLM2 shape: 62.6 ms plain, 68.1 ms packed)."""
     if packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32):
-        return onednn_linear.packed_linear(x, packed, bias)
+        return onednn_linear.packed_linear(x, packed.get(weight), bias)
     return torch.addmm(bias, x, weight) if bias is not None else x @ weight
 
 
@@ -46,19 +47,19 @@ class Attention(nn.Module):
         self.qkv_bias = _param(q_dim + 2 * kv_dim, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(q_dim, cfg.hidden_size, dtype=dtype, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
-        self.packed: dict[str, torch.Tensor] = {}
+        self.packed: PackedWeights | None = None
 
     def forward(self, x, meta: AttnMetadata, k_cache, v_cache, cos, sin) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv_weight"))
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_dim].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
         q = kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
         o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, Hq, D]
-        return linear(o.reshape(t, q_dim), self.o_weight, self.o_bias, self.packed.get("o_weight"))
+        return linear(o.reshape(t, q_dim), self.o_weight, self.o_bias, self.packed)
 
 
 class FeedForward(nn.Module):
@@ -69,12 +70,12 @@ class FeedForward(nn.Module):
         self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
-        self.packed: dict[str, torch.Tensor] = {}
+        self.packed: PackedWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up_weight"))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.packed.get("down_weight"))
+        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.packed)
 
 
 class Block(nn.Module):
@@ -100,7 +101,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.packed: PackedWeights | None = None
 
     @property
     def device(self) -> torch.device:
@@ -108,19 +109,17 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def prepack(self, enabled: bool = True) -> None:
-        """Pack every linear weight for oneDNN where it runs this dtype on this
-        device (see model/onednn_linear.py); forward then uses the packed
-        copies. They are copies of the weights as they are now: call it again
-        after changing the weights. enabled=False drops them (the plain
-        matmuls, for ablations)."""
-        enabled = enabled and onednn_linear.supported(self.dtype, self.device)
+        """Run the linears on oneDNN with packed copies of their weights where
+        it runs this dtype on this device (see model/onednn_linear.py), packing
+        them now; enabled=False goes back to plain matmuls (for ablations)."""
+        packed = PackedWeights() if enabled and onednn_linear.supported(self.dtype, self.device) else None
         for module in self.modules():
             if hasattr(module, "packed"):
-                module.packed = {
-                    name: onednn_linear.pack(p)
-                    for name, p in module.named_parameters(recurse=False)
-                    if enabled and (name.endswith("_weight") or name == "lm_head")
-                }
+                module.packed = packed
+        if packed is not None:
+            for name, p in self.named_parameters():
+                if name.endswith("_weight") or name == "lm_head":
+                    packed.get(p)
 
     @torch.inference_mode()
     def forward(
@@ -144,4 +143,4 @@ class Transformer(nn.Module):
         if logit_indices is not None:
             h, residual = h[logit_indices], residual[logit_indices]
         h, _ = kernels.rmsnorm(h, self.norm, eps, residual)
-        return linear(h, self.lm_head, None, self.packed.get("lm_head")).float()
+        return linear(h, self.lm_head, None, self.packed).float()

@@ -99,7 +99,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
             raise ModelLoadError(
                 f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
             )
-        params[ours].data.copy_(value)
+        with torch.no_grad():  # not .data: the copy must move the version counter (onednn_linear.PackedWeights)
+            params[ours].copy_(value)
     return model
 
 

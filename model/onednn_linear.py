@@ -28,3 +28,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight (+ bias) for rows x [T, in], with the weight as pack made it."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedWeights:
+    """Packed copies of a model's weights, each made on first use and made
+    again when its weight changes: replaced, or written in place (which moves
+    its version counter). A write through .data moves no counter and is not
+    seen: pack again (Transformer.prepack) after one."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._copies.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            entry = (weight, weight._version, pack(weight))
+            self._copies[id(weight)] = entry
+        return entry[2]

@@ -7,6 +7,7 @@ import torch
 from experiments.common import random_model
 from kernels.metadata import AttnMetadata
 from model import onednn_linear
+from model.default import random_init
 from model.llama import linear
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
@@ -28,9 +29,10 @@ def test_packed_linear_matches_matmul(dtype_tol, rows, bias):
     b = torch.randn(160, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 96, generator=g).to(dtype)
     want = x.double() @ weight.double() + (b.double() if bias else 0)
-    got = linear(x, weight, b, onednn_linear.pack(weight))
+    got = onednn_linear.packed_linear(x, onednn_linear.pack(weight), b)
     assert got.dtype == dtype and got.shape == (rows, 160)
     torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(linear(x, weight, b, onednn_linear.PackedWeights()).double(), want, atol=tol * 10, rtol=tol)
 
 
 def _logits(model, n: int) -> torch.Tensor:
@@ -49,18 +51,21 @@ def test_prepacked_model_matches_plain(dtype_tol):
     model = random_model("tiny", dtype)
     plain = _logits(model, 40)
     model.prepack()
-    assert set(model.packed) == {"lm_head"}
-    assert set(model.blocks[0].attn.packed) == {"qkv_weight", "o_weight"}
-    assert set(model.blocks[0].mlp.packed) == {"gate_up_weight", "down_weight"}
-    packed = _logits(model, 40)
+    assert model.packed is not None
+    assert all(m.packed is model.packed for b in model.blocks for m in (b.attn, b.mlp))
     # bf16 rounds each layer's output; the differences compound over 4 layers.
-    torch.testing.assert_close(packed, plain, atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(_logits(model, 40), plain, atol=tol * 10, rtol=tol * 10)
+    # Weights written in place after packing (as a test or a trainer does) are
+    # packed again, not served stale.
+    random_init(model, 7)
+    fresh = random_model("tiny", dtype, seed=7)
+    torch.testing.assert_close(_logits(model, 40), _logits(fresh, 40), atol=tol * 10, rtol=tol * 10)
     model.prepack(False)
-    assert not model.packed and not model.blocks[0].mlp.packed
-    torch.testing.assert_close(_logits(model, 40), plain, atol=0, rtol=0)
+    assert model.packed is None and model.blocks[0].mlp.packed is None
+    torch.testing.assert_close(_logits(model, 40), _logits(fresh, 40), atol=0, rtol=0)
 
 
 def test_prepack_skips_what_onednn_does_not_run():
     model = random_model("tiny", torch.float16)
     model.prepack()
-    assert not model.packed and not model.blocks[0].attn.packed
+    assert model.packed is None and model.blocks[0].attn.packed is None
