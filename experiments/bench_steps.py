@@ -22,7 +22,10 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine
-from experiments.common import SHAPES, machine, median, random_model, run_dir, table, write_json
+from experiments.common import SHAPES, machine, median, run_dir, table, write_json
+from model.config import ModelConfig
+from model.default import random_init
+from model.llama import Transformer
 
 STEPS = ("prefill", "decode", "verify")
 
@@ -40,13 +43,13 @@ def run(args) -> dict:
     contexts = sorted(int(c) for c in args.contexts.split(","))
     shape = dict(SHAPES[args.shape])
     shape["max_position_embeddings"] = max(shape["max_position_embeddings"], contexts[-1] + args.chunk + 16)
-    SHAPES["bench_steps"] = shape
     gen = torch.Generator().manual_seed(args.seed)
     results = []
     dtypes = args.dtypes.split(",")
     bar = tqdm(total=len(dtypes) * len(contexts) * 2 * args.repeats, desc="steps")
     for dtype in dtypes:
-        model = random_model("bench_steps", getattr(torch, dtype))
+        model = Transformer(ModelConfig.from_hf(shape), getattr(torch, dtype))
+        random_init(model, args.seed)
         engine = Engine(model, None, page_size=args.page_size,
                         kv_cache_bytes=args.kv_gb << 30)
         vocab = model.cfg.vocab_size
@@ -101,7 +104,7 @@ def plot(res: dict, path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="smollm2-135m", choices=[s for s in SHAPES if s != "bench_steps"])
+    p.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES))
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--contexts", default="2048,8192,16384")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk length")
