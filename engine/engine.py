@@ -63,7 +63,8 @@ class Engine:
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
-        model.prepack()
+        if model.packed is None:  # engines sharing a model share its packed weights
+            model.prepack()
         self.tokenizer = tokenizer
         if num_pages is None:
             num_pages = PagePool.pages_for_budget(

@@ -21,6 +21,12 @@ def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def is_linear_weight(name: str) -> bool:
+    """Whether a parameter of Transformer (by its qualified name) is a linear
+    layer's weight, stored [in, out] (see linear)."""
+    return name == "lm_head" or name.endswith("_weight")
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights | None = None
 ) -> torch.Tensor:
@@ -118,7 +124,7 @@ class Transformer(nn.Module):
                 module.packed = packed
         if packed is not None:
             for name, p in self.named_parameters():
-                if name.endswith("_weight") or name == "lm_head":
+                if is_linear_weight(name):
                     packed.get(p)
 
     @torch.inference_mode()

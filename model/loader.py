@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from model.config import ModelConfig
 from model.errors import ModelLoadError
-from model.llama import Transformer
+from model.llama import Transformer, is_linear_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,10 +57,6 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     return src
 
 
-def _transposed(ours: str) -> bool:
-    return ours == "lm_head" or ours.endswith("_weight")
-
-
 def _shard_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
@@ -93,7 +89,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                 tensors[name] = f.get_tensor(name)
     for ours, names in _hf_sources(cfg).items():
         value = torch.cat([tensors[n] for n in names], dim=0)
-        if _transposed(ours):
+        if is_linear_weight(ours):
             value = value.t()
         if value.shape != params[ours].shape:
             raise ModelLoadError(
@@ -118,7 +114,7 @@ def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
     for ours, names in _hf_sources(cfg).items():
         if ours == "lm_head" and cfg.tie_word_embeddings:
             continue
-        value = params[ours].data.t() if _transposed(ours) else params[ours].data
+        value = params[ours].data.t() if is_linear_weight(ours) else params[ours].data
         parts = value.split(sizes["qkv" if "qkv" in ours else "gate_up"], dim=0) if len(names) > 1 else [value]
         for name, part in zip(names, parts):
             out[name] = part.contiguous().clone()
