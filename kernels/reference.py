@@ -18,62 +18,73 @@ import torch.nn.functional as F
 from kernels.metadata import AttnMetadata
 
 
-def _page_runs(pages: list[int], ps: int, length: int) -> list[tuple[int, int]]:
-    """The slots of keys [0, length) as (first slot, count) runs over
-    consecutive pages, so that each run is a view of the cache, not a copy."""
-    runs: list[tuple[int, int]] = []
-    for i, p in enumerate(pages):
-        n = min(ps, length - i * ps)
-        if runs and runs[-1][0] + runs[-1][1] == p * ps:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+# A sequence's keys are attended in fixed LOGICAL blocks: block b holds keys
+# [b * n, (b + 1) * n), n this many keys rounded up to whole pages. Every
+# matmul and every sum over pieces then runs over the same pieces in the same
+# order wherever the pages lie in the pool, so the result does not depend on
+# placement (merging physically consecutive pages instead made fp32 logits
+# move by 6e-8 when one page moved). The price: a block whose pages are not
+# consecutive is gathered, in fp32 at 2k keys about as costly again as the
+# attention over it.
+KEY_BLOCK = 4096
+
+Piece = slice | torch.Tensor
+
+
+def _key_blocks(pages: list[int], page_size: int, length: int, device: torch.device) -> list[Piece]:
+    """Keys [0, length) by logical block, as slots of the by-head cache: a
+    slice (read in place) where the block's pages are consecutive, else a
+    gather index (that block alone is copied)."""
+    per_block = -(-KEY_BLOCK // page_size)
+    blocks: list[Piece] = []
+    for first in range(0, len(pages), per_block):
+        block = pages[first : first + per_block]
+        n = min(len(block) * page_size, length - first * page_size)
+        if block == list(range(block[0], block[0] + len(block))):
+            blocks.append(slice(block[0] * page_size, block[0] * page_size + n))
         else:
-            runs.append((p * ps, n))
-    return runs
+            index = torch.tensor(block, dtype=torch.int64, device=device)
+            blocks.append((index[:, None] * page_size + torch.arange(page_size, device=device)).reshape(-1)[:n])
+    return blocks
 
 
-# Past this many runs, one gather beats many small matmuls.
-MAX_RUNS = 8
-
-
-def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[object, torch.Tensor | None]]:
-    """Per sequence: where its keys [0, L) lie (a list of slot runs, or a
-    gather index when the pages are too scattered) and, only when a sliding
-    window cuts into them, the chunk's boolean mask [Δ, L]. A plain causal
-    chunk needs no mask: see _chunk_attention."""
-    plan: list[tuple[object, torch.Tensor | None]] = []
+def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[list[Piece], torch.Tensor | None]]:
+    """Per sequence: its keys [0, L) by logical block (_key_blocks) and, only
+    when a sliding window cuts into them, the chunk's boolean mask [Δ, L]. A
+    plain causal chunk needs no mask: see _chunk_attention."""
+    plan: list[tuple[list[Piece], torch.Tensor | None]] = []
     device = meta.block_tables.device
     ps = meta.page_size
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        n_pages = (s_len + ps - 1) // ps
-        pages = meta.block_tables[i, :n_pages].tolist()
-        runs = _page_runs(pages, ps, s_len)
-        if len(runs) > MAX_RUNS:
-            index = torch.tensor(pages, dtype=torch.int64, device=device)
-            keys: object = (index[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)[:s_len]
-        else:
-            keys = runs
+        pages = meta.block_tables[i, : -(-s_len // ps)].tolist()
         mask = None
         if sliding_window > 0 and s_len > sliding_window:
             q_pos = torch.arange(s_len - q_len, s_len, device=device)[:, None]
             k_pos = torch.arange(s_len, device=device)[None, :]
             mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-        plan.append((keys, mask))
+        plan.append((_key_blocks(pages, ps, s_len, device), mask))
     return plan
 
 
 def _by_head(cache: torch.Tensor) -> torch.Tensor:
     """[P, page_size, Hkv, D] -> [Hkv, P * page_size, D], a view: each head's
-    slots in page order. In the pool's head-major layout a run of consecutive
-    pages is then one contiguous block per head, which matmuls read in place."""
+    slots in page order. In the pool's head-major layout a block of consecutive
+    pages is then one contiguous piece per head, which matmuls read in place."""
     num_pages, page_size, num_kv_heads, head_dim = cache.shape
     return cache.permute(2, 0, 1, 3).view(num_kv_heads, num_pages * page_size, head_dim)
 
 
-def _key_views(flat: torch.Tensor, keys: object) -> list[torch.Tensor]:
-    # flat: [Hkv, P * page_size, D] -> pieces [Hkv, n, D] (views for runs)
-    if isinstance(keys, torch.Tensor):
-        return [flat.index_select(1, keys)]
-    return [flat[:, s : s + n] for s, n in keys]
+def _pieces(flat: torch.Tensor, blocks: list[Piece]) -> list[torch.Tensor]:
+    # flat: [Hkv, P * page_size, D] -> pieces [Hkv, n, D] (views for slices)
+    return [flat[:, b] if isinstance(b, slice) else flat.index_select(1, b) for b in blocks]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces as one [Hkv, L, D]: the piece itself when there is one. A
+    view or a copy of the same keys gives bit-identical attention (measured;
+    tests/test_invariance.py holds it), so a sequence whose pages are
+    consecutive is not copied for that."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 # On CPU a bf16 batched matmul over the pool's head-strided views falls off
@@ -90,11 +101,14 @@ def _matmul_by_kv_head(a: torch.Tensor, b: torch.Tensor, num_keys: int) -> torch
     return torch.matmul(a, b)
 
 
-def _few_queries_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float) -> torch.Tensor:
+def _few_queries_over_pieces(
+    q: torch.Tensor, k_parts: list[torch.Tensor], v_parts: list[torch.Tensor], scale: float
+) -> torch.Tensor:
     """A few queries [Δ, Hq, D] (a decode step, a speculative verify) at the
-    end of keys held in several pieces, without joining the pieces (joining
-    copies the whole context in every layer): scores of all pieces side by
-    side, causal within the last Δ keys, one softmax, outputs summed by piece."""
+    end of keys held in pieces (the logical blocks), without joining them
+    (joining copies the whole context in every layer): scores of all pieces
+    side by side, causal within the last Δ keys, one softmax, outputs summed
+    by piece in block order."""
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k_parts[0].shape[0]
     group = num_q_heads // num_kv_heads
@@ -115,7 +129,7 @@ def _few_queries_over_runs(q: torch.Tensor, k_parts: list[torch.Tensor], v_parts
     return out.view(num_q_heads, num_q, head_dim).transpose(0, 1)
 
 
-# Up to this many queries a chunk reads its keys in place (_few_queries_over_runs);
+# Up to this many queries a chunk reads its keys in place (_few_queries_over_pieces);
 # longer chunks join them (_chunk_attention).
 FEW_QUERIES = 16
 
@@ -209,14 +223,13 @@ def paged_attention(
     k_flat, v_flat = _by_head(k_cache), _by_head(v_cache)
     out = torch.empty_like(q)
     start = 0
-    for q_len, (keys, mask) in zip(meta.query_lens_list, plan):
+    for q_len, (blocks, mask) in zip(meta.query_lens_list, plan):
         qi = q[start : start + q_len]
-        k_parts, v_parts = _key_views(k_flat, keys), _key_views(v_flat, keys)
+        k_parts, v_parts = _pieces(k_flat, blocks), _pieces(v_flat, blocks)
         if mask is None and q_len <= FEW_QUERIES:
-            out[start : start + q_len] = _few_queries_over_runs(qi, k_parts, v_parts, scale)
+            out[start : start + q_len] = _few_queries_over_pieces(qi, k_parts, v_parts, scale)
         else:
-            k = k_parts[0] if len(k_parts) == 1 else torch.cat(k_parts, dim=1)
-            v = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts, dim=1)
+            k, v = _joined(k_parts), _joined(v_parts)
             if mask is None:
                 out[start : start + q_len] = _chunk_attention(qi, k, v, scale)
             else:

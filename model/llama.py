@@ -27,16 +27,34 @@ def is_linear_weight(name: str) -> bool:
     return name == "lm_head" or name.endswith("_weight")
 
 
+# oneDNN's packed kernels give a row the same bits however many rows share
+# the call from two up, but one row takes another kernel, whose fp32 sums
+# differ from 1536 inputs on. Fewer rows than this are padded to it (with
+# zeros, dropped after): any count from two keeps the bits, and four ran
+# fastest. SmolLM2 shape, one thread, a decode step at 2k context in fp32:
+# one row as is 58.6 ms, padded to 2 rows 68.9, to 4 51.7, to 8 61.7, the
+# plain matmul 49.4; two decodes 78.5 ms as is, 62.8 padded; in bf16 one
+# decode 40.4 ms as is, 38.4 padded.
+MIN_PACKED_ROWS = 4
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights | None = None
 ) -> torch.Tensor:
     """x @ weight (+ bias) with weight stored [in, out]: for one-row decode
-    steps on CPU this reads weights about twice as fast as [out, in]. With
-    packed (see Transformer.prepack) oneDNN runs it on a packed copy instead,
-    except for one fp32 row, which the plain path reads faster (a decode step
-    of the SmolLM2 shape: 62.6 ms plain, 68.1 ms packed)."""
-    if packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32):
-        return onednn_linear.packed_linear(x, packed.get(weight), bias)
+    steps on CPU this reads weights about twice as fast as [out, in].
+
+    Each row's result must not depend on how many rows share the call, or a
+    sequence's logits would depend on what else is in its step. With packed
+    (see Transformer.prepack) oneDNN runs it on a packed copy, padded to
+    MIN_PACKED_ROWS rows, which holds that. Where nothing is packed (no
+    oneDNN, a GPU) the plain matmul runs, and on CPU no invariance is claimed
+    there: fp32 rows differ between fewer than 4 rows and more."""
+    if packed is not None:
+        rows = x.shape[0]
+        if rows < MIN_PACKED_ROWS:
+            x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
+        return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
     return torch.addmm(bias, x, weight) if bias is not None else x @ weight
 
 

@@ -2,8 +2,10 @@
 blocked layout. oneDNN's plain bf16 matmul is slow for thin inputs, and both
 dtypes gain on a few rows. Engine, SmolLM2 shape, one thread, 2k context:
 bf16 decode step 63.7 -> 52.1 ms, 8-token verify 94.8 -> 65.9 ms; fp32
-8-token verify 134-160 -> 87-89 ms; prefill about even. One fp32 row stays
-on the plain path (see model.llama.linear).
+8-token verify 134-160 -> 87-89 ms; prefill about even. The packed kernels
+also give each row the same result however many rows share the call, from
+two rows up (model.llama.linear pads fewer), which plain matmuls on CPU do
+not.
 """
 from __future__ import annotations
 

@@ -35,6 +35,25 @@ def test_packed_linear_matches_matmul(dtype_tol, rows, bias):
     torch.testing.assert_close(linear(x, weight, b, onednn_linear.PackedWeights()).double(), want, atol=tol * 10, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(96, 160), (576, 960), (1536, 576), (2048, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_rows_do_not_depend_on_row_count(dtype, shape, bias):
+    """Batch invariance: a row's bits are the same however many rows share the
+    call, one row included (in fp32 oneDNN's one-row kernel sums differently
+    from 1536 inputs on, so linear pads it)."""
+    needs(dtype)
+    g = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(*shape, generator=g).to(dtype)
+    b = torch.randn(shape[1], generator=g).to(dtype) if bias else None
+    x = torch.randn(64, shape[0], generator=g).to(dtype)
+    packed = onednn_linear.PackedWeights()
+    every = linear(x, weight, b, packed)
+    for rows in (1, 2, 3, 5, 17):
+        assert torch.equal(linear(x[:rows], weight, b, packed), every[:rows]), f"{rows} rows"
+        assert torch.equal(linear(x[-rows:], weight, b, packed), every[-rows:]), f"last {rows} rows"
+
+
 def _logits(model, n: int) -> torch.Tensor:
     cfg = model.cfg
     pages = -(-n // 16)

@@ -67,11 +67,14 @@ def build(case, dtype: torch.dtype = torch.float32):
 
 
 def case_id(c) -> str:
-    return f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'runs' if c[5] else 'scattered'}"
+    return f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'consecutive' if c[5] else 'scattered'}"
 
 
+@pytest.mark.parametrize("key_block", [None, 8], ids=["default-key-block", "key-block-8"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_reference_matches_naive(case):
+def test_reference_matches_naive(case, key_block, monkeypatch):
+    if key_block:  # smaller than most sequences here: several logical key blocks each
+        monkeypatch.setattr(reference, "KEY_BLOCK", key_block)
     q, k_cache, v_cache, meta, ks, vs = build(case)
     scale = case[2] ** -0.5
     got = reference.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
@@ -80,7 +83,8 @@ def test_reference_matches_naive(case):
 
 # bf16 on CPU takes its own matmul paths (per-KV-head pieces, blocked chunks).
 # Shrunk thresholds send these small cases through them, across block
-# boundaries; the last case is full-size at the default thresholds.
+# boundaries (query blocks and logical key blocks); the last case is
+# full-size at the default thresholds.
 BF16_CASES = CASES + [(16, (9, 3), 64, [(1, 1500), (300, 1200), (16, 2000)], 0, False)]
 
 
@@ -90,6 +94,7 @@ def test_reference_bf16_matches_naive(case, shrunk, monkeypatch):
     if shrunk:
         monkeypatch.setattr(reference, "PER_HEAD_MIN_KEYS", 1)
         monkeypatch.setattr(reference, "BF16_BLOCK_ROWS", 8)
+        monkeypatch.setattr(reference, "KEY_BLOCK", 8)
     q, k_cache, v_cache, meta, ks, vs = build(case, torch.bfloat16)
     scale = case[2] ** -0.5
     got = reference.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
