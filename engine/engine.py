@@ -1,49 +1,33 @@
-"""The engine: a model, its page pool, its tokenizer, and the sessions on them."""
+"""The engine: a model, its page pool, its tokenizer, and the scheduler that
+owns every sequence on them."""
 from __future__ import annotations
 
-import threading
-import time
-import weakref
-from dataclasses import dataclass, field
+from collections import deque
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
 from cache.pool import PagePool
 from cache.radix import RadixCache
-from engine.errors import ContextLengthError, InvalidRequestError
+from engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
+from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCache
+from engine.kv_policy import KVPolicy
+from engine.limits import Limits
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.sequences import Sequences
 from engine.session import Session
 from engine.stats import TurnStats
-from engine.structured import request_grammar
 from model.config import ModelConfig
 from model.default import default_model_dir
 from model.llama import Transformer
 from model.loader import load_model, parse_dtype
 from model.tokenizer import Tokenizer
-from model.tool_calls import parse_tool_calls
+
+__all__ = ["Engine", "ChatResult", "common_prefix_len"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass
-class ChatResult:
-    text: str
-    tool_calls: list[dict]
-    usage: dict
-    finish_reason: str  # "stop", "length" or "tool_calls"
-    token_ids: list[int] = field(default_factory=list)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Engine:
@@ -60,6 +44,7 @@ class Engine:
         prefix_match: str = "token",
         pin_ttl: float | None = 300.0,
         constrain_auto: bool = True,
+        limits: Limits | None = None,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -71,29 +56,35 @@ class Engine:
                 kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, model.dtype
             )
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.pool, self._make_room)
+        self.runner = ModelRunner(model, self.pool)
         self.stateless = stateless
         self.radix = RadixCache(self.pool) if prefix_cache and not stateless else None
-        if prefix_match not in ("token", "block"):
-            raise InvalidRequestError(f"prefix_match must be 'token' or 'block', not {prefix_match!r}")
-        # "block" reuses whole pages only, as block-hash caches (vLLM) and
-        # page-aligned radix trees do: the baseline token granularity beats.
+        try:
+            policy = KVPolicy(self.pool, self.radix, prefix_match)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         self.prefix_match = prefix_match
         self.pin_ttl = pin_ttl
         # Under tool_choice "auto", hold a call the model opens to the tools'
         # schemas (engine.structured). Off, "auto" decodes unconstrained, as
         # servers that only parse calls do.
         self.constrain_auto = constrain_auto
-        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
-        self.stats: list[TurnStats] = []
-        # Guards the pool, the block tables and the model: held by each
-        # scheduler step and by each session call that touches pages.
-        self.lock = threading.RLock()
-        self.scheduler = Scheduler(self)
+        self.limits = limits or Limits()
+        decode = tokenizer.decode if tokenizer is not None else None
+        self.sequences = Sequences(self.pool, policy, self.limits.max_sessions)
+        self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
+                                   self.eos_token_ids, decode)
+        # Guards the pool, the sequences and the model (the scheduler's lock).
+        self.lock = self.scheduler.lock
         self._grammars: GrammarCache | None = None
+
+    @property
+    def stats(self) -> deque[TurnStats]:
+        """Per-turn records, the most recent last (a ring of Limits.max_stats)."""
+        return self.scheduler.stats
 
     @property
     def grammars(self) -> GrammarCache:
@@ -120,33 +111,18 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tokenizer, **kwargs)
 
-    def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *args) -> Session:
+    def session(self, namespace: str = "default", pin_ttl: float | None | str = "default") -> Session:
         """A persistent conversation in namespace (a tenant's cache salt: no
         KV is shared across namespaces). pin_ttl: seconds its pages stay
         pinned while idle (None: always), default the engine's."""
-        s = Session(self, namespace, *args, pin_ttl=self.pin_ttl if pin_ttl == "default" else pin_ttl)
-        self._sessions.add(s)
-        return s
-
-    def _make_room(self, pages: int) -> None:
-        """Free pages under memory pressure: first cached prefixes nobody
-        uses (least recently used first), then the pages of sessions idle
-        past their pin time-to-live (longest idle first; they stay matchable)."""
-        target = self.pool.num_free + pages
-        if self.radix is not None:
-            self.radix.evict(pages)
-        now = time.monotonic()
-        for s in sorted((s for s in list(self._sessions) if s.expired(now)), key=lambda s: s.idle_since):
-            if self.pool.num_free >= target:
-                return
-            s.park()
-            if self.radix is not None:
-                self.radix.evict(target - self.pool.num_free)
+        ttl = self.pin_ttl if pin_ttl == "default" else pin_ttl
+        return Session(self, self.sequences.new(namespace, ttl))
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters and page usage."""
         stats = self.radix.stats() if self.radix is not None else {}
-        pinned = {p for s in list(self._sessions) if not s.closed for p in s.table.pages}
+        with self.lock:
+            pinned = {p for s in self.sequences.all for p in s.table.pages}
         return {
             **stats,
             "pages_total": self.pool.num_pages,
@@ -155,72 +131,17 @@ class Engine:
             "pages_shared": sum(1 for rc in self.pool.refcount if rc > 1),
         }
 
-    def finish_turn(self, session: Session) -> None:
-        self.stats.append(session.turn)
-        session.turn = TurnStats()
-
-    def chat(
-        self,
-        messages: list[dict],
-        tools: list[dict] | None = None,
-        session: Session | None = None,
-        max_tokens: int = 256,
-        tool_choice: str | dict | None = None,
-        response_format: dict | None = None,
-        parallel_tool_calls: bool = True,
-        **sampling,
-    ) -> ChatResult:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
+             max_tokens: int = 256, **kwargs) -> ChatResult:
         """Render the conversation, reuse the longest common prefix with the
         session's tokens, compute only the rest, and generate the reply.
         The session (a temporary one when None) ends holding the prompt and
-        the reply; on error it is as before. tool_choice and response_format
-        (OpenAI's shapes) constrain the reply with a grammar: see engine.structured."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
-        grammar = request_grammar(self, tools, tool_choice, response_format, parallel_tool_calls)
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-        if not prompt:
-            raise InvalidRequestError("the rendered prompt is empty")
-        if len(prompt) >= self.max_context:
-            raise ContextLengthError(f"the prompt's {len(prompt)} tokens leave no room in the context of {self.max_context}")
-        # Work on a fork so that a failure leaves the session untouched.
-        work = session.fork_for_turn() if session is not None else self.session()
-        try:
-            reused = 0 if self.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
-            work.truncate(reused)
-            work.queue(prompt[reused:])
-            # What is reused is the KV held now: the common prefix, or a
-            # prefix-cache match for a session that held none.
-            reused = work.table.length
-            # This turn's record (finish_turn files it and starts a new one).
-            turn = work.turn
-            turn.prompt_tokens, turn.reused_tokens = len(prompt), reused
-            ids = work.generate(max_tokens=max_tokens, grammar=grammar, **sampling)
-            finish = work.finish_reason
-        except BaseException:
-            work.close()
-            raise
-        if session is None:
-            work.close()
-        elif self.stateless:
-            work.close()
-            session.truncate(0)
-        else:
-            session.adopt(work)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        stops = [sampling["stop"]] if isinstance(sampling.get("stop"), str) else list(sampling.get("stop") or ())
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:  # OpenAI semantics: the stop string is not part of the reply
-            text = text[:cut]
-        content, calls = parse_tool_calls(text)
-        if calls:
-            finish = "tool_calls"
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(ids),
-            "total_tokens": len(prompt) + len(ids),
-            "cached_tokens": reused,
-            "computed_tokens": turn.computed_tokens,
-        }
-        return ChatResult(content, calls, usage, finish, ids)
+        the reply; on error it is as before. tool_choice, response_format and
+        parallel_tool_calls (OpenAI's shapes) constrain the reply with a
+        grammar (engine.structured); the rest are generate's arguments.
+        start_chat is the same, returning once the turn is queued."""
+        return self.start_chat(messages, tools, session, max_tokens, **kwargs).wait()
 
+    def start_chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
+                   max_tokens: int = 256, **kwargs) -> ChatTurn:
+        return ChatTurn.start(self, messages, tools, session, max_tokens, **kwargs)

@@ -12,6 +12,10 @@ __all__ = [
     "PageAccountingError",
     "ModelLoadError",
     "UnsupportedModelError",
+    "RequestCancelledError",
+    "QueueFullError",
+    "TooManySessionsError",
+    "PoolTooSmallError",
 ]
 
 
@@ -33,3 +37,23 @@ class SessionBusyError(EngineError):
 
 class SessionClosedError(EngineError):
     """The session was closed; its pages are gone."""
+
+
+class RequestCancelledError(EngineError):
+    """The request was cancelled (its client went away); nothing it did remains."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its limit; retry later."""
+
+
+class TooManySessionsError(EngineError):
+    """Every live session is busy and the session limit is reached."""
+
+
+class PoolTooSmallError(KVCapacityError, ContextLengthError):
+    """The sequence can never fit in the KV pool, however much is freed."""
+
+    def __init__(self, tokens: int, needed: int, total: int, page_size: int):
+        super().__init__(needed, total, page_size)
+        self.args = (f"{tokens} tokens need {needed} KV pages of {page_size} tokens; the pool holds {total} in all",)

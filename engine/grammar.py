@@ -124,14 +124,13 @@ class GrammarState:
         self._matcher.rollback(n)
         return draft[:n]
 
-    def masked(self, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:
-        """rows [len(draft) + 1, V] with what the grammar forbids at -inf: row i
-        after the tokens emitted so far and draft[:i] (a clipped draft)."""
-        bitmask = xgr.allocate_token_bitmask(len(draft) + 1, self.grammar.vocab_size)
+    def fill_bitmask(self, bitmask: torch.Tensor, offset: int, draft: list[int]) -> None:
+        """Write the masks of len(draft) + 1 rows into bitmask from row offset
+        on: row i after the tokens emitted so far and draft[:i] (a clipped
+        draft). Rows past a stop token allow everything: the request ends there."""
         n = 0
-        # Rows past a stop token stay unmasked: the request ends at that token.
         while not self._matcher.is_terminated() and n <= len(draft):
-            self._matcher.fill_next_token_bitmask(bitmask, n)
+            self._matcher.fill_next_token_bitmask(bitmask, offset + n)
             if n == len(draft):
                 break
             if not self._matcher.accept_token(draft[n]):
@@ -139,7 +138,13 @@ class GrammarState:
                 raise ValueError(f"draft token {draft[n]} at {n} is not allowed: clip the draft first")
             n += 1
         self._matcher.rollback(n)
-        # A copy: the rows may be a session's held logits.
+
+    def masked(self, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """rows [len(draft) + 1, V] with what the grammar forbids at -inf (see
+        fill_bitmask), as a copy: the rows may be a session's held logits.
+        The scheduler masks all its constrained rows at once instead (engine.emit)."""
+        bitmask = xgr.allocate_token_bitmask(len(draft) + 1, self.grammar.vocab_size)
+        self.fill_bitmask(bitmask, 0, draft)
         out = rows.float().clone()
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device))
         return out

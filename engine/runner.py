@@ -9,8 +9,6 @@ ragged forward writes the K/V and returns the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 import kernels
@@ -29,19 +27,15 @@ class StepItem:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool: PagePool, make_room: Callable[[int], None] | None = None):
+    def __init__(self, model: Transformer, pool: PagePool):
         self.model = model
         self.pool = pool
-        # Called with a number of pages when the pool is short of them, to
-        # evict what can be evicted before the step gives up.
-        self.make_room = make_room
 
     def step(self, items: list[StepItem]) -> list[torch.Tensor]:
         """Compute the K/V of every item's tokens; return each item's logits
-        [num_logits, vocab] (fp32). On any error no table has changed."""
+        [num_logits, vocab] (fp32). On any error no table has changed. The
+        scheduler makes room first; a step short of pages fails whole."""
         needed = sum(it.table.pages_needed(len(it.tokens)) for it in items)
-        if needed > self.pool.num_free and self.make_room is not None:
-            self.make_room(needed - self.pool.num_free)
         if needed > self.pool.num_free:
             raise KVCapacityError(needed, self.pool.num_free, self.pool.page_size)
         old_lengths = [it.table.length for it in items]

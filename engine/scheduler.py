@@ -1,83 +1,152 @@
-"""Continuous batching: every step packs the work of all active requests into
-one ragged forward.
+"""Continuous batching over the sequences the scheduler owns.
 
-A request's step is always "compute the session's pending tokens": prompt
-tokens not yet computed (a chunk of them under the step's token budget), or
-the one token drawn last step, followed by draft tokens when speculating.
-Once a request's chunk reaches the end of its session, the logits of the
-chunk's last token (and of each draft token) decide what is emitted: the
-drafts a verify accepts, then one token drawn by the target. A plain decode
-step is the same with no drafts. A request with a grammar drafts only what
-the grammar allows and has each of its rows masked before the verify, so
-constrained requests share the batched step like any other.
+Requests wait in one queue and run in priority order: a conversation's next
+turn by when the conversation began (program-level FCFS), then by arrival.
+Each step takes, in that order, what fits in the step's token budget and the
+pool: a prefill chunk, the one token drawn last step, or that token plus a
+speculative draft. When pages run short, unused cached prefixes and idle
+sequences past their pin time give way first (engine.kv_policy); then the
+lowest-priority request holding pages is preempted: its pages go (published
+to the prefix cache), its tokens stay, and it re-queues to recompute what
+the cache lost. One forward runs the step; one batched pass (engine.emit)
+verifies and samples every finishing row. A request's failure fails that
+request only, rolled back; a failure of the whole forward fails that step's
+requests, and the loop goes on.
+
+Prompt chunks end at multiples of Limits.prefill_chunk (and at the prompt's
+end), so how a sequence is cut never depends on what shares its step.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
-import torch
-
-import kernels
 from cache.errors import KVCapacityError
-from engine.errors import EngineError
-from engine.grammar import GrammarState
-from engine.runner import StepItem
+from cache.pool import PagePool
+from engine.emit import verdicts
+from engine.errors import EngineError, PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
+from engine.kv_policy import KVPolicy
+from engine.limits import Limits
+from engine.request import Request
+from engine.runner import ModelRunner, StepItem
+from engine.sequence import Sequence
+from engine.sequences import Sequences
+from engine.stats import SchedulerCounters, TurnStats
+from model.sampler import make_generator
 from profiling.nvtx import nvtx_range
-from model.sampler import SamplingParams, draw_uniforms, make_generator, probs_from_logits
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.session import Session
+log = logging.getLogger("agentkv.scheduler")
 
-
-@dataclass(eq=False)
-class Request:
-    session: "Session"
-    params: SamplingParams
-    speculative: bool = True
-    on_tokens: Callable[[list[int]], None] | None = None  # streaming: called with each step's new tokens
-    grammar: GrammarState | None = None  # constrains every token drawn and every draft accepted
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" or "length"
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    start_len: int = 0
-    generator: torch.Generator | None = None
-    stop_ids: frozenset[int] = frozenset()
-    ready_logits: torch.Tensor | None = None  # next-token logits the session already had
-
-    @property
-    def pending(self) -> int:
-        return len(self.session._tokens) - self.session.table.length
+# How often idle sessions are checked against the idle timeout.
+IDLE_CHECK_S = 1.0
 
 
-def _phase(items: list[StepItem], drafts: list[list[int] | None]) -> str:
-    """Name a step for the profiler timeline by the heaviest work in it."""
-    if any(d is None or len(it.tokens) > len(d) + 1 for it, d in zip(items, drafts)):
-        return "prefill"
-    return "verify" if any(drafts) else "decode"
+@dataclass(slots=True, eq=False)
+class _Work:
+    req: Request
+    item: StepItem | None  # None: the request draws from logits it already has
+    draft: list[int] | None  # None: a prompt chunk short of the end
 
 
 class Scheduler:
-    def __init__(self, engine: "Engine", token_budget: int = 2048):
-        self.engine = engine
-        self.token_budget = token_budget
-        self.active: list[Request] = []
-        self._lock = threading.Lock()
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: PagePool,
+        policy: KVPolicy,
+        sequences: Sequences,
+        limits: Limits,
+        max_context: int,
+        eos_token_ids: Iterable[int],
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        self.runner, self.pool, self.policy, self.limits = runner, pool, policy, limits
+        self.sequences = sequences
+        sequences.on_close = self._fail_requests_of
+        # The sequences' lock: also held by each step.
+        self.lock = sequences.lock
+        self.max_context = max_context
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode  # for stop strings
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.stats: deque[TurnStats] = deque(maxlen=limits.max_stats)
+        self.turn_totals: dict[str, float] = {}
+        self.counters = SchedulerCounters()
+        self._arrivals = itertools.count()  # of requests
+        self._last_idle_check = time.monotonic()
+        self._preempted_now: set[Request] = set()  # this step's: not scheduled again in it
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _fail_requests_of(self, seq: Sequence) -> None:
+        for req in [r for r in self.running + self.waiting if r.seq is seq]:
+            self._fail(req, SessionClosedError("the session was closed"))
+
+    # -- requests ------------------------------------------------------
+
+    def submit(self, req: Request, tokens: list[int] = ()) -> None:
+        """Queue req after appending tokens to its sequence. Raises (and
+        changes nothing) if the session is busy or closed, the queue is full,
+        or the sequence could never fit in the pool."""
+        with self.sequences.idle(req.seq):
+            seq = req.seq
+            if len(self.waiting) >= self.limits.max_queue:
+                raise QueueFullError(f"{len(self.waiting)} requests are waiting, the most this server queues")
+            length = len(seq.tokens) + len(tokens) + (not req.is_append)
+            needed = -(-length // self.pool.page_size)
+            if needed > self.pool.num_pages:
+                raise PoolTooSmallError(length, needed, self.pool.num_pages, self.pool.page_size)
+            req.start_len, req.start_held = len(seq.tokens), seq.table.length
+            if tokens:
+                seq.tokens.extend(tokens)
+                seq.last_logits = None
+            if not req.is_append:
+                params = req.params
+                req.generator = None if params.greedy else make_generator(params.seed)
+                req.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+                if seq.table.length == len(seq.tokens):
+                    if seq.last_logits is not None:
+                        req.ready_logits = seq.last_logits[None]
+                    else:
+                        # No logits after truncate or fork: the last token is
+                        # made pending again, so the first step computes them.
+                        seq.table.truncate(len(seq.tokens) - 1)
+            req.arrival = next(self._arrivals)
+            req.queued_at = time.monotonic()
+            seq.busy = True
+            self.waiting.append(req)
+        self._wake.set()
+
+    def wait(self, req: Request) -> Request:
+        """Until req is done: driven by the loop if one runs, else by stepping here."""
+        if self.serving:
+            req.done.wait()
+        while not req.done.is_set():
+            with self.lock:
+                if not req.done.is_set():
+                    self._step()
+        return req
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+        return len(self.running) + len(self.waiting)
+
+    # -- the loop ------------------------------------------------------
 
     @property
     def serving(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        """Step in a background thread, so that requests from many threads
-        (a server's handlers) share each forward."""
+        """Step in a background thread, so that requests from many callers share each forward."""
         if self.serving:
             return
         self._stop.clear()
@@ -85,161 +154,249 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the background loop; requests still active fail (rolled back)
-        rather than wait forever."""
+        """Stop the loop; requests still queued or running fail (rolled back)."""
         if self._thread is not None:
             self._stop.set()
             self._wake.set()
             self._thread.join()
             self._thread = None
-        with self.engine.lock:
-            for req in list(self.active):
+        with self.lock:
+            for req in self.running + self.waiting:
                 self._fail(req, EngineError("the scheduler stopped before the request finished"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self.active:
-                self._wake.wait(0.1)
+            try:
+                busy = self.step()
+            except Exception as e:  # a bug in the scheduler itself: fail what is in flight, keep serving
+                log.exception("scheduler step failed")
+                with self.lock:
+                    for req in self.running + self.waiting:
+                        self._fail(req, e)
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
                 self._wake.clear()
-                continue
-            self.step()
 
-    def submit(self, req: Request) -> None:
-        with self.engine.lock:
-            self._submit(req)
-        self._wake.set()
+    def step(self) -> bool:
+        """One step; whether it did any work."""
+        with self.lock:
+            return self._step()
 
-    def _submit(self, req: Request) -> None:
-        s = req.session
-        req.start_len = len(s._tokens)
-        req.generator = None if req.params.greedy else make_generator(req.params.seed)
-        stop = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stop.update(self.engine.eos_token_ids)
-        req.stop_ids = frozenset(stop)
-        if s.table.length == len(s._tokens):
-            if s._last_logits is not None:
-                req.ready_logits = s._last_logits[None]
-            else:
-                # No logits after truncate or fork: make the last token
-                # pending again so this request's first step computes them.
-                s.table.truncate(len(s._tokens) - 1)
-        with self._lock:
-            self.active.append(req)
-
-    def run(self, req: Request) -> list[int]:
-        """Drive steps until req is done; re-raise its error."""
-        self.submit(req)
-        if self.serving:
-            req.done.wait()
-        while not req.done.is_set():
-            self.step()
-        if req.error is not None:
-            raise req.error
-        return req.output
-
-    def step(self) -> None:
-        with self.engine.lock:
-            self._step()
-
-    def _step(self) -> None:
-        with self._lock:
-            batch = list(self.active)
-        for req in batch:
-            if req.ready_logits is not None:
-                rows, req.ready_logits = req.ready_logits, None
-                self._emit(req, [], rows, 0.0, 0)
-        batch = [req for req in batch if not req.done.is_set()]
-        if not batch:
-            return
-        items, drafts = [], []
-        budget = self.token_budget
-        for req in batch:
-            s = req.session
-            take = min(req.pending, max(budget, 1))
-            budget -= take
-            finishing = take == req.pending
-            draft = self._draft(req) if finishing else []
-            chunk = s._tokens[s.table.length : s.table.length + take] + draft
-            items.append(StepItem(s.table, chunk, len(draft) + 1))
-            drafts.append(draft if finishing else None)
+    def _step(self) -> bool:
+        self._reap()
+        work = self._schedule()
+        if not work:
+            return False
         start = time.perf_counter()
-        try:
-            with nvtx_range(_phase(items, drafts)):
-                logits = self.engine.runner.step(items)
-        except KVCapacityError as e:
-            self._fail(batch[-1], e)  # the newest request gives way; the rest retry next step
-            return
-        except BaseException as e:
-            for req in batch:
-                self._fail(req, e)
-            return
-        elapsed = time.perf_counter() - start
-        for req, item, draft, rows in zip(batch, items, drafts, logits):
-            if draft is None:  # a prompt chunk short of the end: nothing to emit yet
-                req.session.turn.prefill_s += elapsed
-                req.session.turn.computed_tokens += len(item.tokens)
+        items = [w.item for w in work if w.item is not None]
+        logits = []
+        if items:
+            try:
+                with nvtx_range(_phase(work)):
+                    logits = self.runner.step(items)
+            except Exception as e:  # the whole step failed: so do its requests, and nothing else
+                for w in work:
+                    self._fail(w.req, e)
+                return True
+        forward = time.perf_counter() - start
+        rows = iter(logits)
+        self._emit(work, [next(rows) if w.item is not None else w.req.ready_logits for w in work], forward)
+        c = self.counters
+        c.steps += 1
+        c.batch_size.observe(len(work))
+        c.forward_s += forward
+        c.step_s += time.perf_counter() - start
+        return True
+
+    # -- admission, budget, preemption ----------------------------------
+
+    def _reap(self) -> None:
+        for req in [r for r in self.running + self.waiting if r.cancelled]:
+            self.counters.cancelled += 1
+            self._fail(req, RequestCancelledError("the request was cancelled"))
+        timeout, now = self.limits.session_idle_timeout, time.monotonic()
+        if timeout is not None and now - self._last_idle_check >= IDLE_CHECK_S:
+            self._last_idle_check = now
+            for seq in [s for s in self.sequences.all if not s.busy and now - s.idle_since >= timeout]:
+                self.sequences.close(seq)
+
+    def _schedule(self) -> list[_Work]:
+        budget = self.limits.max_num_batched_tokens
+        order = sorted(self.running + self.waiting, key=Request.priority)
+        work: list[_Work] = []
+        reserved = 0
+        self._preempted_now.clear()
+        for req in order:
+            if len(work) >= self.limits.max_num_seqs:
+                break
+            if req.done.is_set() or req in self._preempted_now:  # gave way to another this step
                 continue
-            self._emit(req, draft, rows, elapsed, len(item.tokens) - len(draft))
+            if req.ready_logits is not None:
+                work.append(self._admit(_Work(req, None, [])))
+                continue
+            if not req.admitted:
+                seq = req.seq
+                self.policy.reuse_prefix(seq, len(seq.tokens) - (req.num_logits if req.is_append else 1))
+            w = self._next_chunk(req)
+            if len(w.item.tokens) > budget and work:
+                continue  # waits for a step with room
+            needed = reserved + w.item.table.pages_needed(len(w.item.tokens))
+            if not self._secure(needed, req, {x.req for x in work}):
+                if not work:  # nothing else could give way: it cannot run now
+                    self._fail(req, KVCapacityError(needed, self.pool.num_free, self.pool.page_size))
+                    continue
+                break
+            reserved = needed
+            budget -= len(w.item.tokens)
+            work.append(self._admit(w))
+        return work
+
+    def _next_chunk(self, req: Request) -> _Work:
+        seq = req.seq
+        held, n = seq.table.length, len(seq.tokens)
+        size = self.limits.prefill_chunk
+        end = min(n, (held // size + 1) * size)
+        finishing = end == n
+        draft = self._draft(req) if finishing and not req.is_append else []
+        if req.is_append:  # logits of the appended tokens this chunk holds
+            num_logits = max(1, end - max(held, n - req.num_logits))
+        else:
+            num_logits = len(draft) + 1
+        item = StepItem(seq.table, seq.tokens[held:end] + draft, num_logits)
+        return _Work(req, item, draft if finishing else None)
+
+    def _admit(self, w: _Work) -> _Work:
+        req, seq = w.req, w.req.seq
+        if not req.admitted:
+            req.admitted = True
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req.preemptions == 0:  # first admission: what it found held or cached
+                c = self.counters
+                c.queue_s.observe(time.monotonic() - req.queued_at)
+                c.prefix_queries += len(seq.tokens)
+                c.prefix_hits += seq.table.length
+                if not seq.turn.computed_tokens:
+                    seq.turn.prompt_tokens, seq.turn.reused_tokens = len(seq.tokens), seq.table.length
+        return w
+
+    def make_room(self, pages: int, soft_pins: bool = False) -> bool:
+        """Apply the KV policy (engine.kv_policy) until `pages` are free,
+        preempting nothing. Whether they are."""
+        with self.lock:
+            return self.policy.make_room(pages, [s for s in self.sequences.all if not s.busy], soft_pins)
+
+    def _secure(self, pages: int, req: Request, scheduled: set[Request]) -> bool:
+        """Make `pages` free for req: the KV policy's idle pages first, then
+        preemption of lower-priority requests holding pages, lowest first,
+        then idle sessions still inside their pin time."""
+        while not self.make_room(pages):
+            victims = [r for r in self.running + self.waiting
+                       if r not in scheduled and r is not req and r.priority() > req.priority() and r.seq.table.pages]
+            if not victims:
+                return self.make_room(pages, soft_pins=True)
+            self._preempt(max(victims, key=Request.priority))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release req's pages (published to the prefix cache); its tokens and
+        progress stay, and it re-queues to recompute what the cache loses.
+        The hook where a host tier would take the KV instead."""
+        self.policy.release(req.seq)
+        req.ready_logits = None
+        req.preemptions += 1
+        self._preempted_now.add(req)
+        self.counters.preemptions += 1
+        if req.admitted:
+            req.admitted = False
+            self.running.remove(req)
+            self.waiting.append(req)
 
     def _draft(self, req: Request) -> list[int]:
-        s = req.session
-        room = min(req.params.max_tokens - len(req.output), self.engine.max_context - len(s._tokens)) - 1
+        seq = req.seq
+        room = min(req.params.max_tokens - len(req.output), self.max_context - len(seq.tokens)) - 1
         if not req.speculative or room < 1 or not req.output:
             return []
-        drafter = s.drafter()
+        drafter = seq.draft_index()
         k = min(drafter.draft_len, room)
         draft = drafter.propose(k) if k > 0 else []
         # A draft token the grammar forbids could never be accepted, nor anything after it.
         return req.grammar.clip(draft) if req.grammar is not None and draft else draft
 
-    def _emit(self, req: Request, draft: list[int], rows: torch.Tensor, elapsed: float, chunk: int) -> None:
-        s = req.session
-        if not req.output:  # the prompt's last chunk
-            s.turn.prefill_s += elapsed
-            s.turn.computed_tokens += chunk
-        else:
-            s.turn.decode_s += elapsed
-            s.turn.decode_steps += 1
-        if req.grammar is not None:
-            rows = req.grammar.masked(rows, draft)
-        device = rows.device
-        drafts_t = torch.tensor([draft + [0] * (not draft)], dtype=torch.int64, device=device)
-        cu = torch.tensor([0, len(draft) + 1], dtype=torch.int32, device=device)
-        lens = torch.tensor([len(draft)], dtype=torch.int32, device=device)
-        if req.params.greedy:
-            accepted, nxt = kernels.verify_drafts(rows, cu, drafts_t, lens)
-        else:
-            u = draw_uniforms([req.generator] * (len(draft) + 1), len(draft) + 1)[None].to(device)
-            accepted, nxt = kernels.verify_drafts(probs_from_logits(rows, req.params), cu, drafts_t, lens, u)
-        n_acc = int(accepted[0])
+    # -- results -------------------------------------------------------
+
+    def _emit(self, work: list[_Work], rows: list, elapsed: float) -> None:
+        finishing = []
+        for w, r in zip(work, rows):
+            turn = w.req.seq.turn
+            if w.item is None:  # drawn from held logits: no forward of its own
+                pass
+            elif w.draft is None or not w.req.output:  # prompt work
+                turn.prefill_s += elapsed
+                turn.computed_tokens += len(w.item.tokens) - len(w.draft or ())
+            else:
+                turn.decode_s += elapsed
+                turn.decode_steps += 1
+            if w.req.is_append:
+                self._take_logits(w, r)
+            elif w.draft is not None:
+                finishing.append((w, r))
+        if not finishing:
+            return
+        reqs, drafts = [w.req for w, _ in finishing], [w.draft for w, _ in finishing]
+        try:
+            results = verdicts(reqs, [r for _, r in finishing], drafts)
+        except Exception as e:  # the batched verify itself: every finishing request
+            results = [e] * len(reqs)
+        for req, draft, v in zip(reqs, drafts, results):
+            if isinstance(v, BaseException):
+                self._fail(req, v)
+                continue
+            try:
+                self._advance(req, draft, v.accepted, v.token)
+            except Exception as e:  # a stream consumer, a grammar: this request's failure only
+                self._fail(req, e)
+
+    def _take_logits(self, w: _Work, rows) -> None:
+        req, seq = w.req, w.req.seq
+        # The rows are of the chunk's last positions, up to the table's end
+        # (the runner has advanced it); keep those of appended tokens.
+        first_row = seq.table.length - w.item.num_logits
+        skip = max(0, len(seq.tokens) - req.num_logits - first_row)
+        if skip < len(rows):
+            req.logits.append(rows[skip:])
+        if w.draft is not None:
+            seq.last_logits = rows[-1]
+            self._finish(req)
+
+    def _advance(self, req: Request, draft: list[int], accepted: int, token: int) -> None:
+        seq = req.seq
         if draft:
-            s.drafter().record(len(draft), n_acc)
-            s.turn.drafted_tokens += len(draft)
-            s.turn.accepted_tokens += n_acc
-            s.turn.verify_steps += 1
-        new = draft[:n_acc] + [int(nxt[0])]
+            seq.draft_index().record(len(draft), accepted)
+            seq.turn.drafted_tokens += len(draft)
+            seq.turn.accepted_tokens += accepted
+            seq.turn.verify_steps += 1
+        new = draft[:accepted] + [token]
         for i in range(len(new)):
             if req.grammar is not None and not req.grammar.accept(new[i]):
-                self._fail(req, EngineError(f"token {new[i]} was drawn against the grammar"))
-                return
-            if self._stops(req, req.output + new[: i + 1], len(s._tokens) + i + 1):
+                raise EngineError(f"token {new[i]} was drawn against the grammar")
+            if self._stops(req, req.output + new[: i + 1], len(seq.tokens) + i + 1):
                 new = new[: i + 1]
                 break
         # KV was computed for the chunk's last token and every draft; keep it
-        # for the accepted ones only, the newest emitted token stays pending.
-        s._tokens.extend(new)
-        s.table.truncate(min(s.table.length, len(s._tokens) - 1))
-        s._invalidate_logits()
+        # for the accepted ones only: the newest token stays pending.
+        seq.tokens.extend(new)
+        seq.table.truncate(min(seq.table.length, len(seq.tokens) - 1))
+        seq.last_logits = None
+        req.ready_logits = None
         req.output.extend(new)
-        s.turn.generated_tokens += len(new)
+        seq.turn.generated_tokens += len(new)
         if req.on_tokens is not None:
-            try:
-                req.on_tokens(new)
-            except Exception as e:  # a consumer's failure ends its own request only
-                self._fail(req, e)
-                return
+            req.on_tokens(new)
         if req.finish_reason is not None:
+            seq.finish_reason = req.finish_reason
+            self._file_turn(req)
             self._finish(req)
 
     def _stops(self, req: Request, out: list[int], n_total: int) -> bool:
@@ -247,19 +404,57 @@ class Scheduler:
         p = req.params
         if out[-1] in req.stop_ids or (req.grammar is not None and req.grammar.terminated):
             req.finish_reason = "stop"
-        elif p.stop and req.session.ends_with_stop(out, p.stop):
+        elif p.stop and self._ends_with_stop(out, p.stop):
             req.finish_reason = "stop"
-        elif len(out) >= p.max_tokens or n_total >= self.engine.max_context:
+        elif len(out) >= p.max_tokens or n_total >= self.max_context:
             req.finish_reason = "length"
         return req.finish_reason is not None
 
+    def _ends_with_stop(self, out: list[int], stops: tuple[str, ...]) -> bool:
+        # Only the tail can newly contain a stop string: decode a window long
+        # enough for the longest one.
+        tail = self.decode(out[-(max(map(len, stops)) + 8) :])
+        return any(s in tail for s in stops)
+
+    def _file_turn(self, req: Request) -> None:
+        seq = req.seq
+        self.policy.publish(seq)
+        req.turn = seq.turn
+        self.stats.append(seq.turn)
+        for name, value in seq.turn.as_dict().items():
+            self.turn_totals[name] = self.turn_totals.get(name, 0) + value
+        seq.turn = TurnStats()
+
     def _finish(self, req: Request) -> None:
-        with self._lock:
-            self.active.remove(req)
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        req.seq.busy = False
+        req.seq.idle_since = time.monotonic()
+        if req.error is None:
+            self.counters.finished += 1
         req.done.set()
+        if req.on_done is not None:
+            try:
+                req.on_done(req)
+            except Exception:  # the waiter's problem; the scheduler goes on
+                log.exception("a request's completion callback failed")
 
     def _fail(self, req: Request, error: BaseException) -> None:
-        req.session._rollback(req.start_len)
+        if req.done.is_set():
+            return
+        seq = req.seq
+        seq.rollback(req.start_len)
+        seq.table.truncate(min(seq.table.length, req.start_held))
         req.error = error
         req.output = []
+        req.logits = []
+        self.counters.failed += 1
         self._finish(req)
+
+
+def _phase(work: list[_Work]) -> str:
+    """Name a step for the profiler timeline by the heaviest work in it."""
+    if any(w.draft is None or (w.item is not None and len(w.item.tokens) > len(w.draft) + 1) for w in work):
+        return "prefill"
+    return "verify" if any(w.draft for w in work) else "decode"

@@ -1,7 +1,9 @@
-"""Per-turn statistics: what a turn cost and what it reused."""
+"""Per-turn statistics (what a turn cost and what it reused) and the scheduler's counters."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import bisect
+import itertools
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(slots=True)
@@ -34,3 +36,41 @@ class TurnStats:
     def as_dict(self) -> dict:
         return {**asdict(self), "total_s": self.total_s, "accepted_per_step": self.accepted_per_step,
                 "forwards_saved": self.forwards_saved}
+
+
+class Histogram:
+    """Cumulative bucket counts, as Prometheus histograms read them."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.bounds, value)
+        if i < len(self.bounds):
+            self.counts[i] += 1
+        self.total += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        return list(zip(self.bounds, itertools.accumulate(self.counts)))
+
+
+@dataclass
+class SchedulerCounters:
+    """What operators read off a server (vLLM's names in engine/api/metrics.py)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    finished: int = 0
+    prefix_queries: int = 0  # prompt tokens of admitted requests
+    prefix_hits: int = 0  # of those, whose KV was held or found in the prefix cache
+    step_s: float = 0.0  # wall time of steps that ran a forward
+    forward_s: float = 0.0  # of that, in the forward
+    batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512)))
+    queue_s: Histogram = field(default_factory=lambda: Histogram(
+        (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)))

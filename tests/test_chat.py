@@ -75,15 +75,17 @@ def test_stateless_mode_recomputes_everything(engine):
 
 def test_tool_calls_are_parsed_from_the_reply(engine, monkeypatch):
     reply = engine.tokenizer.encode('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>')
-    original = Session.generate
+    original = Session.start_generate
 
     def scripted(self, **kwargs):
-        original(self, **{**kwargs, "max_tokens": 1})  # keep the session's bookkeeping real
+        req = original(self, **{**kwargs, "max_tokens": 1})  # keep the session's bookkeeping real
+        self.engine.scheduler.wait(req)
         self.truncate(len(self) - 1)
         self.queue(reply)
-        return reply
+        req.output = list(reply)
+        return req
 
-    monkeypatch.setattr(Session, "generate", scripted)
+    monkeypatch.setattr(Session, "start_generate", scripted)
     r = engine.chat(history("pass"), tools=TOOLS, max_tokens=64)
     assert r.finish_reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in r.tool_calls] == [("read_file", {"path": "a.py"})]

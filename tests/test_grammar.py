@@ -139,7 +139,7 @@ def constrained(engine, prompt, speculative, drafter=None, **sampling):
     with engine.session() as s:
         s.append(prompt)
         if drafter is not None:
-            s._drafter = drafter
+            s.use_drafter(drafter)
         out = s.generate(max_tokens=120, speculative=speculative, grammar=g, **sampling)
         # The newest token is held, not computed; the KV of rejected drafts is gone.
         assert s.table.length == len(s) - 1 and len(s.table.pages) == -(-s.table.length // engine.pool.page_size)

@@ -90,11 +90,7 @@ def test_stopping_the_loop_fails_waiting_requests_instead_of_hanging(ckpt):
     engine = Engine.from_pretrained(ckpt, page_size=8, num_pages=64)
     s = engine.session()
     s.append(list(range(12)))
-    from engine.scheduler import Request
-    from model.sampler import SamplingParams
-
-    req = Request(s, SamplingParams(max_tokens=3, ignore_eos=True))
-    engine.scheduler.submit(req)  # no loop running: nobody steps it
+    req = s.start_generate(max_tokens=3, ignore_eos=True)  # no loop running: nobody steps it
     engine.scheduler.stop()
     assert req.done.is_set() and req.error is not None
     assert s.tokens == list(range(12))

@@ -150,7 +150,7 @@ def test_truncate_past_end_changes_nothing(engine):
 
 
 def test_beyond_pool_capacity_is_typed_and_changes_nothing(engine):
-    big = engine.session()
+    big = engine.session(pin_ttl=None)  # pinned for good: never gives way
     big.append(rand_ids(300, 13))  # 38 of 64 pages
     other = engine.session()
     other.append(rand_ids(20, 14))

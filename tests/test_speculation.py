@@ -122,7 +122,7 @@ def test_greedy_identical_under_partial_acceptance(engine, seed):
 
     with engine.session() as s:
         s.append(prompt)
-        s._drafter = Drafter()
+        s.use_drafter(Drafter())
         out = s.generate(max_tokens=40, ignore_eos=True)
         st = engine.stats[-1]
         check_consistent(s)
@@ -175,7 +175,7 @@ def test_sampling_with_speculation_has_the_target_distribution(engine):
     for seed in range(trials):
         with engine.session() as s:
             s.append(prompt)
-            s._drafter = FixedDrafter(draft)
+            s.use_drafter(FixedDrafter(draft))
             out = s.generate(max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
             accepted += engine.stats[-1].accepted_tokens
             counts[tuple(out[:2])] += 1
@@ -188,7 +188,7 @@ def test_sampling_with_speculation_has_the_target_distribution(engine):
 def test_page_accounting_after_rejections(engine):
     with engine.session() as s:
         s.append(prompt_with_repeats(3))
-        s._drafter = FixedDrafter([1, 2, 3, 4, 5, 6, 7])  # almost always rejected: rollback every step
+        s.use_drafter(FixedDrafter([1, 2, 3, 4, 5, 6, 7]))  # almost always rejected: rollback every step
         s.generate(max_tokens=30, ignore_eos=True)
         check_consistent(s)
         engine.pool.check()

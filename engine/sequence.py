@@ -1,0 +1,73 @@
+"""A sequence: the tokens of one conversation and the pages holding their KV.
+
+The scheduler owns every sequence; a Session is a handle on one. A
+sequence's KV lives across turns. The last token a generation draws is held
+but not yet computed (its KV is only needed by the next append), so it rides
+along with the next delta instead of costing a forward of its own.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache.block_table import BlockTable
+from engine.stats import TurnStats
+from spec.ngram import NGramDrafter
+
+
+@dataclass(eq=False)
+class Sequence:
+    table: BlockTable
+    namespace: str
+    # Program-level FCFS (Continuum): a conversation's next turn queues by
+    # when the conversation began, so agents that started first finish
+    # first. Forks inherit it.
+    arrival: int
+    # Seconds an idle sequence keeps its pages pinned; after that, under
+    # memory pressure, they may be parked (published to the prefix cache and
+    # released). None pins for the sequence's whole life.
+    pin_ttl: float | None
+    tokens: list[int] = field(default_factory=list)
+    last_logits: torch.Tensor | None = None  # after the last token; valid while every token's KV is held
+    drafter: NGramDrafter | None = None
+    idle_since: float = field(default_factory=time.monotonic)
+    parked: bool = False
+    closed: bool = False
+    busy: bool = False  # a request is queued or running on it
+    finish_reason: str | None = None  # of the last generation: "stop" or "length"
+    turn: TurnStats = field(default_factory=TurnStats)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def pending(self) -> int:
+        """Held tokens whose KV is not computed yet."""
+        return len(self.tokens) - self.table.length
+
+    def draft_index(self) -> NGramDrafter:
+        """The prompt-lookup drafter over these tokens, brought up to date."""
+        if self.drafter is None:
+            self.drafter = NGramDrafter()
+        self.drafter.extend(self.tokens[len(self.drafter) :])
+        return self.drafter
+
+    def rollback(self, n: int) -> None:
+        """Keep the first n tokens and only their KV."""
+        del self.tokens[n:]
+        self.table.truncate(min(n, self.table.length))
+        self.last_logits = None
+        if self.drafter is not None and len(self.drafter) > n:
+            self.drafter.truncate(n)
+
+    def expired(self, now: float) -> bool:
+        """Idle past its pin time-to-live, with pages that could be released."""
+        return (
+            self.pin_ttl is not None
+            and not self.closed
+            and not self.busy
+            and now - self.idle_since >= self.pin_ttl
+            and bool(self.table.pages)
+        )

@@ -1,0 +1,118 @@
+"""Every sequence of one engine, and the operations on an idle one.
+
+One lock guards the sequences, the pool and the model: each operation here
+takes it, and so does each scheduler step, so an operation never sees a
+step half done. A busy or closed sequence is refused before the lock is
+waited for, so that a session with a request in flight is answered at once.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+from cache.block_table import BlockTable
+from cache.pool import PagePool
+from engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
+from engine.kv_policy import KVPolicy
+from engine.sequence import Sequence
+
+
+class Sequences:
+    def __init__(self, pool: PagePool, policy: KVPolicy, max_sessions: int):
+        self.pool, self.policy, self.max_sessions = pool, policy, max_sessions
+        self.lock = threading.RLock()
+        self.all: set[Sequence] = set()
+        # Called (under the lock) before a sequence is closed: the scheduler
+        # fails whatever request it still has.
+        self.on_close: Callable[[Sequence], None] = lambda seq: None
+        self._arrivals = itertools.count()
+
+    def new(
+        self, namespace: str, pin_ttl: float | None, tokens: Iterable[int] = (), table: BlockTable | None = None,
+        arrival: int | None = None,
+    ) -> Sequence:
+        """A new sequence; at the session limit the longest-idle one is closed to make room."""
+        with self.lock:
+            if len(self.all) >= self.max_sessions:
+                idle = [s for s in self.all if not s.busy]
+                if not idle:
+                    raise TooManySessionsError(f"all {len(self.all)} sessions are busy")
+                self.close(min(idle, key=lambda s: s.idle_since))
+            seq = Sequence(table if table is not None else BlockTable(self.pool), namespace,
+                           next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens))
+            self.all.add(seq)
+            return seq
+
+    @contextmanager
+    def idle(self, seq: Sequence) -> Iterator[None]:
+        """The lock, for work on seq, which must be open and without a request."""
+        self.check_idle(seq)
+        with self.lock:
+            self.check_idle(seq)
+            yield
+
+    def check_idle(self, seq: Sequence) -> None:
+        if seq.closed:
+            raise SessionClosedError("the session is closed")
+        if seq.busy:
+            raise SessionBusyError("the session already has a request in flight")
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A sequence sharing every page of seq (copy-on-write) and its conversation's priority."""
+        with self.idle(seq):
+            return self.new(seq.namespace, seq.pin_ttl, seq.tokens, seq.table.fork(), seq.arrival)
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        with self.idle(seq):
+            if n < len(seq.tokens):
+                seq.rollback(n)
+
+    def extend(self, seq: Sequence, tokens: list[int]) -> None:
+        """Hold tokens without computing them: the next request computes them."""
+        with self.idle(seq):
+            seq.tokens.extend(tokens)
+            seq.last_logits = None
+
+    def adopt(self, into: Sequence, source: Sequence) -> None:
+        """into takes over source's tokens, pages and turn (source is closed); into's own pages go."""
+        with self.idle(into), self.idle(source):
+            into.table.release()
+            into.table, source.table = source.table, BlockTable(self.pool)
+            into.tokens, source.tokens = source.tokens, []
+            into.drafter, source.drafter = source.drafter, None
+            into.last_logits, into.finish_reason, into.turn = source.last_logits, source.finish_reason, source.turn
+            into.parked = False
+            self.close(source)
+
+    def hand_over_drafter(self, source: Sequence, to: Sequence) -> None:
+        """Move source's draft index to `to` (a fork of it, working its turn)."""
+        with self.lock:
+            to.drafter, source.drafter = source.drafter, None
+
+    def use_drafter(self, seq: Sequence, drafter: object) -> None:
+        with self.lock:
+            seq.drafter = drafter
+
+    def park(self, seq: Sequence) -> None:
+        """Publish and release an idle sequence's pages; its tokens stay."""
+        with self.idle(seq):
+            self.policy.park(seq)
+
+    def close(self, seq: Sequence) -> None:
+        """Publish and release; a request still queued or running on it fails."""
+        with self.lock:
+            if seq.closed:
+                return
+            self.on_close(seq)
+            self.policy.release(seq)
+            seq.tokens.clear()
+            seq.closed = True
+            self.all.discard(seq)
+
+    def close_on_collect(self, handle: object, seq: Sequence) -> None:
+        """Close seq when its handle is garbage collected (a dropped, unclosed
+        session); not at interpreter exit, when its pages may be gone already."""
+        weakref.finalize(handle, self.close, seq).atexit = False
