@@ -11,6 +11,8 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.limits import Limits
+
 log = logging.getLogger("agentkv.serve")
 
 
@@ -32,6 +34,19 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
                              "used expire (404)")
+    limits = parser.add_argument_group("limits", "how much work a step takes and how much state the server keeps")
+    defaults = Limits()
+    limits.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests in one step")
+    limits.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="tokens one step computes; prompts are chunked at multiples of it")
+    limits.add_argument("--prefill-chunk", type=int, default=defaults.prefill_chunk,
+                        help="prompt tokens one request computes per step (chunks end at multiples of it)")
+    limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help="waiting requests; past it a request gets 429 with Retry-After")
+    limits.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
+                        help="live sessions; past it the longest idle one is closed")
+    limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
+                        help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -42,8 +57,14 @@ def serve(argv: list[str]) -> None:
 
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
     log.info("loading %s", args.model or "the embedded default model")
+    try:
+        limits = Limits(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_chunk=min(args.prefill_chunk, args.max_num_batched_tokens), max_queue=args.max_queue, max_sessions=args.max_sessions,
+                        session_idle_timeout=args.session_idle_timeout)
+    except ValueError as e:
+        parser.error(str(e))
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                    constrain_auto=not args.no_constrain_auto)
+                                    constrain_auto=not args.no_constrain_auto, limits=limits)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
     uvicorn.run(create_app(engine, name, args.max_stored_responses), host=args.host, port=args.port)

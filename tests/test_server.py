@@ -51,7 +51,7 @@ class Server:
         """Until no generation runs (a disconnected stream's may go on)."""
         sessions = self.app.state.api.sessions
         for _ in range(3000):
-            if not self.engine.scheduler.active and not sessions.busy_count():
+            if not self.engine.scheduler.in_flight and not sessions.busy_count():
                 return
             time.sleep(0.01)
         raise AssertionError("the server did not become idle")
@@ -131,20 +131,34 @@ def test_stream_reassembles_the_non_streamed_reply(server, use_stop):
 
 
 def scripted(engine: Engine, replies: list[str]) -> Callable:
-    """engine.chat that runs for real (the session's state, usage, pages are
-    the engine's own) but reports the next scripted reply as what the model
-    wrote: the random model never writes a tool call by itself."""
-    real_chat = engine.chat
+    """engine.start_chat that runs for real (the session's state, usage, pages
+    are the engine's own) but reports the next scripted reply as what the
+    model wrote: the random model never writes a tool call by itself."""
+    real_start = engine.start_chat
     tokenizer = engine.tokenizer
 
-    def chat(messages, tools=None, session=None, max_tokens=256, on_tokens=None, **sampling) -> ChatResult:
-        result = real_chat(messages, tools, session=session, max_tokens=max_tokens, **sampling)
-        ids = tokenizer.encode(replies.pop(0)) + engine.eos_token_ids[:1]
-        if on_tokens is not None:
-            on_tokens(ids)
-        return ChatResult("", [], {**result.usage, "completion_tokens": len(ids)}, "stop", ids)
+    class Turn:
+        def __init__(self, turn, ids: list[int]):
+            self.turn, self.ids = turn, ids
 
-    return chat
+        def cancel(self) -> None:
+            self.turn.cancel()
+
+        def finish(self) -> ChatResult:
+            result = self.turn.finish()
+            return ChatResult("", [], {**result.usage, "completion_tokens": len(self.ids)}, "stop", self.ids)
+
+    def start_chat(messages, tools=None, session=None, max_tokens=256, on_tokens=None, on_done=None, **sampling):
+        ids = tokenizer.encode(replies.pop(0)) + engine.eos_token_ids[:1]
+
+        def done(req) -> None:
+            if on_tokens is not None and req.error is None:
+                on_tokens(ids)
+            on_done(req)
+
+        return Turn(real_start(messages, tools, session, max_tokens, on_done=done, **sampling), ids)
+
+    return start_chat
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -157,7 +171,7 @@ def test_tool_calling_loop_reuses_the_session(server, monkeypatch):
         "Let me check Paris too.\n" + tool_call_text("get_weather", {"city": "Paris"}),
         "Zürich is sunny, Paris is rainy.",
     ]
-    monkeypatch.setattr(server.engine, "chat", scripted(server.engine, replies))
+    monkeypatch.setattr(server.engine, "start_chat", scripted(server.engine, replies))
     client = server.client()
     messages = [{"role": "user", "content": "What's the weather in Zürich and Paris?"}]
     extra = {"extra_body": {"session_id": "tool-loop"}}
@@ -251,32 +265,44 @@ def test_disconnect_mid_stream_leaks_nothing(server):
     # The role chunk goes out before the first token; holding the engine lock
     # from then on stalls generation, so the stream is surely closed mid-way
     # however fast the machine decodes.
+    sched = server.engine.scheduler
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the role chunk
         server.engine.lock.acquire()
     try:
-        # Closed mid-stream: the generation runs on to its end and the session keeps it.
-        assert server.session_info("dropped")["busy"]
+        (req,) = sched.running + sched.waiting
+        for _ in range(500):  # the server notices the disconnect without the engine lock
+            if req.cancelled:
+                break
+            time.sleep(0.01)
+        assert req.cancelled and not req.done.is_set()
+        steps = sched.counters.steps
     finally:
         server.engine.lock.release()
+    assert req.done.wait(10)
+    # Dropped at the next step's start: no step computed for it after the close.
+    assert sched.counters.steps == steps
+    assert type(req.error).__name__ == "RequestCancelledError" and req.output == []
     bystander = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     server.wait_idle()
     assert bystander.choices[0].message.content == bystander_alone.choices[0].message.content
     info = server.session_info("dropped")
-    turn = info["turns"][-1]
-    assert not info["busy"] and info["length"] == turn["prompt_tokens"] + turn["completion_tokens"]
+    # The session is as before the request (new, so empty), and free again.
+    assert not info["busy"] and info["length"] == 0 and info["pages"] == 0 and info["turns"] == []
     with server.http() as http:
         assert http.delete("/v1/sessions/dropped").status_code == 200
     assert_all_pages_free(server.engine)
 
 
-def test_busy_session_is_409_and_unharmed(server):
+def test_busy_session_is_409_and_unharmed(server, monkeypatch):
     client = server.client()
     done: list = []
-    # Holding the engine lock stalls generation, so the first request stays in flight.
-    with server.engine.lock:
+    # A gate in the forward stalls generation, so the first request stays in flight.
+    gate, step = threading.Event(), server.engine.runner.step
+    monkeypatch.setattr(server.engine.runner, "step", lambda items: gate.wait(60) and step(items))
+    try:
         first = threading.Thread(target=lambda: done.append(list(chat(
             client, USER, stream=True, stream_options={"include_usage": True}, extra_body={"session_id": "busy"}))))
         first.start()
@@ -292,6 +318,8 @@ def test_busy_session_is_409_and_unharmed(server):
             for method, path, body in [("POST", "/v1/sessions/busy/truncate", {"length": 0}),
                                        ("POST", "/v1/sessions/busy/fork", None), ("DELETE", "/v1/sessions/busy", None)]:
                 assert http.request(method, path, json=body).status_code == 409
+    finally:
+        gate.set()
     first.join(60)
     usage = done[0][-1].usage
     info = server.session_info("busy")

@@ -78,5 +78,5 @@ async def _drain(api: ApiState, store: ResponseStore) -> None:
     """Wait (bounded) for generations still running, e.g. those of clients
     that went away mid-stream, so that no session is closed under them."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while (api.engine.scheduler.active or api.sessions.busy_count() or store.running) and time.monotonic() < deadline:
+    while (api.engine.scheduler.in_flight or api.sessions.busy_count() or store.running) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

@@ -13,11 +13,9 @@ the chunk with the finish reason, then usage (with stream_options.
 include_usage), then [DONE]. An error before the first token is answered with
 its HTTP status; one after it, as an error event.
 
-A client that disconnects mid-stream: the generation is not abandoned (the
-engine cannot cancel a request); it runs to max_tokens or a stop, and the
-session ends holding the whole reply, as if the client had read it. The
-session stays busy (409) until then, and every page is accounted for: held by
-the session, or freed with a temporary one.
+A client that disconnects (streaming or not) cancels its request within one
+step: the session is left as it was before the request, and its pages and
+lease are given back.
 
 tool_choice: "none" hides the tools from the prompt and parses no calls;
 "auto", "required" and a named function offer the tools and parse calls.
@@ -32,14 +30,15 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 
 from engine import ChatResult
+from engine.chat_turn import ChatTurn
+from engine.request import OnDone, OnTokens
 from engine.api.errors import APIError
-from engine.api.generation import Generation, OnTokens
+from engine.api.generation import Generation
 from engine.api.replies import ReplyText
 from engine.api.schemas import (
     SESSION_ID_PATTERN,
@@ -137,50 +136,59 @@ async def chat_completions(
     messages = [template_message(m) for m in body.messages]
     max_tokens = pick_max_tokens(body)
     text = ReplyText(api.tokenizer, body.stops(), api.tool_format if use_tools else None)
-    lease = api.sessions.lease(session_id, create=True) if session_id else None
-    try:
-        gen = Generation(partial(_run, api, lease, body, messages, tools, max_tokens))
-    except BaseException:  # no thread started (none left?): nothing will release the lease
-        if lease is not None:
-            lease.release()
-        raise
+    gen = await Generation.begin(lambda on_tokens, on_done: _Turn.begin(
+        api, session_id, body, messages, tools, max_tokens, on_tokens, on_done))
     meta = ChunkMeta(body.model)
     if not body.stream:
-        return _completion(meta, text, await gen.result(), api.stop_ids)
+        return _completion(meta, text, await gen.result_unless_gone(request), api.stop_ids)
     await gen.started()
-    return event_stream(_events(gen, text, meta, body.include_usage(), api.stop_ids))
+    return event_stream(_events(gen, text, meta, body.include_usage(), api.stop_ids), gen.abandon)
 
 
-def _run(
-    api: ApiState,
-    lease: Lease | None,
-    body: ChatCompletionRequest,
-    messages: list[dict],
-    tools: list[dict] | None,
-    requested: int | None,
-    on_tokens: OnTokens,
-) -> ChatResult:
-    """The engine call, on the generation's thread; the lease ends with it."""
-    try:
+class _Turn:
+    """A chat turn begun on the engine; the lease ends when it is finished."""
+
+    def __init__(self, api: ApiState, lease: Lease | None, turn: ChatTurn, start: float):
+        self.api, self.lease, self.turn, self.start = api, lease, turn, start
+
+    @classmethod
+    def begin(
+        cls, api: ApiState, session_id: str | None, body: ChatCompletionRequest, messages: list[dict],
+        tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
+    ) -> "_Turn":
         start = time.perf_counter()
-        # Rendered here, off the event loop, only to check the budget: eng.chat renders again.
-        prompt = api.tokenizer.apply_chat_template(messages, tools=tools)
-        max_tokens = api.max_tokens(len(prompt), requested)
-        result = api.engine.chat(
-            messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
-            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
-            ignore_eos=body.ignore_eos, on_tokens=on_tokens, **constraints(body),
-        )
-        latency = time.perf_counter() - start
-        api.metrics.observe_turn(latency)
-        if lease is not None:
-            u = result.usage
-            lease.record(TurnRecord(prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
-                                    completion_tokens=u["completion_tokens"], latency_s=latency))
-        return result
-    finally:
-        if lease is not None:
-            lease.release()
+        lease = api.sessions.lease(session_id, create=True) if session_id else None
+        try:
+            # Rendered here only to check the budget: start_chat renders again.
+            prompt = api.tokenizer.apply_chat_template(messages, tools=tools)
+            max_tokens = api.max_tokens(len(prompt), requested)
+            turn = api.engine.start_chat(
+                messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
+                temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
+                ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done, **constraints(body),
+            )
+        except BaseException:  # nothing was queued: nothing else will release the lease
+            if lease is not None:
+                lease.release()
+            raise
+        return cls(api, lease, turn, start)
+
+    def cancel(self) -> None:
+        self.turn.cancel()
+
+    def finish(self) -> ChatResult:
+        try:
+            result = self.turn.finish()
+            latency = time.perf_counter() - self.start
+            self.api.metrics.observe_turn(latency)
+            if self.lease is not None:
+                u = result.usage
+                self.lease.record(TurnRecord(prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
+                                             completion_tokens=u["completion_tokens"], latency_s=latency))
+            return result
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
 
 def _completion(meta: ChunkMeta, text: ReplyText, result: ChatResult, stop_ids: list[int]) -> ChatCompletion:

@@ -2,7 +2,8 @@
 
 Each request runs on a temporary session of its own, closed when it ends; the
 prefix cache still finds what earlier requests computed, and reports it as
-cached tokens. Streaming and disconnects behave as for chat completions.
+cached tokens. Streaming and disconnects (which cancel the request) behave
+as for chat completions.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 
 from engine.api.errors import APIError
-from engine.api.generation import Generation, OnTokens
+from engine.api.generation import Generation
 from engine.api.replies import ReplyText
 from engine.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from engine.api.sse import DONE, error_event, event, event_stream
 from engine.api.state import ApiState
+from engine.request import OnDone, OnTokens, Request as EngineRequest
 
 router = APIRouter()
 
@@ -39,14 +41,14 @@ async def completions(body: CompletionRequest, request: Request):
     api.check_model(body.model)
     api.check_supported(body.unsupported())
     text = ReplyText(api.tokenizer, body.stops(), None)
-    gen = Generation(lambda on_tokens: _run(api, body, on_tokens))
+    gen = await Generation.begin(lambda on_tokens, on_done: _Completion.begin(api, body, on_tokens, on_done))
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
     def completion(choice: CompletionChoice | None, usage: Usage | None = None) -> Completion:
         return Completion(id=cid, created=created, model=body.model, choices=[choice] if choice else [], usage=usage)
 
     if not body.stream:
-        out = await gen.result()
+        out = await gen.result_unless_gone(request)
         text.push(out.ids)
         _, reply = text.finish(out.ids, api.stop_ids)
         return completion(CompletionChoice(text=reply.content, finish_reason=reply.finish_reason), out.usage())
@@ -68,24 +70,40 @@ async def completions(body: CompletionRequest, request: Request):
             yield event(completion(None, out.usage()))
         yield DONE
 
-    return event_stream(events())
+    return event_stream(events(), gen.abandon)
 
 
-def _run(api: ApiState, body: CompletionRequest, on_tokens: OnTokens) -> Generated:
-    """The engine calls, on the generation's thread."""
-    start = time.perf_counter()
-    prompt = api.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    max_tokens = api.max_tokens(len(prompt), body.max_tokens)
-    with api.engine.session(api.sessions.namespace) as session:
-        session.queue(prompt)
-        # As Engine.chat does for its turns: the engine's stats (and /metrics) count prompt and reuse.
-        cached = session.turn.reused_tokens = session.table.length
-        session.turn.prompt_tokens = len(prompt)
-        ids = session.generate(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            stop=body.stops(), ignore_eos=body.ignore_eos, on_tokens=on_tokens,
-        )
-    api.metrics.observe_turn(time.perf_counter() - start)
-    return Generated(len(prompt), cached, ids)
+class _Completion:
+    """A completion on a temporary session of its own, closed when it is finished."""
+
+    def __init__(self, api: ApiState, prompt_len: int, session, req: EngineRequest, start: float):
+        self.api, self.prompt_len, self.session, self.req, self.start = api, prompt_len, session, req, start
+
+    @classmethod
+    def begin(cls, api: ApiState, body: CompletionRequest, on_tokens: OnTokens, on_done: OnDone) -> "_Completion":
+        start = time.perf_counter()
+        prompt = api.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        max_tokens = api.max_tokens(len(prompt), body.max_tokens)
+        session = api.engine.session(api.sessions.namespace)
+        try:
+            session.queue(prompt)
+            req = session.start_generate(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                stop=body.stops(), ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
+            )
+        except BaseException:
+            session.close()
+            raise
+        return cls(api, len(prompt), session, req, start)
+
+    def cancel(self) -> None:
+        self.req.cancel()
+
+    def finish(self) -> Generated:
+        self.session.close()
+        if self.req.error is not None:
+            raise self.req.error
+        self.api.metrics.observe_turn(time.perf_counter() - self.start)
+        return Generated(self.prompt_len, self.req.turn.reused_tokens, self.req.output)

@@ -3,7 +3,9 @@
 Every engine error leaves sessions and the pool as they were, so each maps to a
 status that tells the client whether retrying can help:
 400 malformed, 404 unknown session or model, 409 busy session, 413 beyond the
-model's context, 503 (with Retry-After) out of KV cache pages, 500 otherwise.
+model's context or the KV pool's size, 429 (with Retry-After) a full queue or
+session table, 503 (with Retry-After) out of KV cache pages now, 499 a request
+cancelled because its client went away, 500 otherwise.
 """
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     KVCapacityError,
+    PoolTooSmallError,
+    QueueFullError,
+    RequestCancelledError,
     SessionBusyError,
     SessionClosedError,
+    TooManySessionsError,
 )
 from model.tokenizer import TokenizerError
 
@@ -57,6 +63,8 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised by the engine or the API layer."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, PoolTooSmallError):  # it can never fit: retrying cannot help
+        return APIError(413, str(exc), code="kv_capacity_exceeded", param="messages")
     if isinstance(exc, ContextLengthError):
         return APIError(413, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, (InvalidRequestError, TokenizerError)):
@@ -65,6 +73,10 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(409, str(exc), code="session_busy")
     if isinstance(exc, SessionClosedError):
         return not_found(str(exc), "session_not_found")
+    if isinstance(exc, (QueueFullError, TooManySessionsError)):
+        return APIError(429, str(exc), type="server_error", code="server_busy", headers={"Retry-After": "1"})
+    if isinstance(exc, RequestCancelledError):
+        return APIError(499, str(exc), code="request_cancelled")
     if isinstance(exc, KVCapacityError):
         # Pages come back as other requests finish or sessions are deleted.
         return APIError(503, str(exc), type="server_error", code="kv_cache_full", headers={"Retry-After": "1"})

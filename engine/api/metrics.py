@@ -1,18 +1,22 @@
-"""Prometheus metrics, written in the text exposition format by hand (a dozen
-series do not need a client library).
+"""Prometheus metrics, written in the text exposition format by hand (a few
+dozen series do not need a client library).
 
-Token counters are folded in from the engine's per-turn stats at scrape time:
-they are the engine's own accounting, and they count every turn whichever
-endpoint or session it came from.
+Token counters are the scheduler's running totals of its per-turn stats: the
+engine's own accounting, counting every turn whichever endpoint or session
+it came from. What vLLM's operators and routers read is also exported under
+vLLM's names (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+`vllm:prefix_cache_hits_total`, ...) with its `model_name` label, so that
+tooling written for vLLM reads this server too.
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.stats import Histogram
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -31,16 +35,13 @@ TOKEN_COUNTERS = {
 
 
 class Metrics:
-    def __init__(self, engine: "Engine", sessions: "SessionRegistry"):
+    def __init__(self, engine: "Engine", sessions: "SessionRegistry", model_name: str):
         self.engine = engine
         self.sessions = sessions
+        self.model_label = '{model_name="%s"}' % model_name.replace("\\", "\\\\").replace('"', '\\"')
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, int]] = Counter()
-        self._tokens: Counter[str] = Counter()
-        self._turns_seen = 0  # how many of engine.stats are folded into _tokens
-        self._latency_buckets = [0] * len(LATENCY_BUCKETS)
-        self._latency_sum = 0.0
-        self._latency_count = 0
+        self._latency = Histogram(LATENCY_BUCKETS)
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -49,53 +50,70 @@ class Metrics:
     def observe_turn(self, seconds: float) -> None:
         """Wall-clock time of one generation request, queueing included."""
         with self._lock:
-            i = bisect.bisect_left(LATENCY_BUCKETS, seconds)
-            if i < len(LATENCY_BUCKETS):
-                self._latency_buckets[i] += 1
-            self._latency_sum += seconds
-            self._latency_count += 1
-
-    def _fold_turns(self) -> None:
-        stats = self.engine.stats
-        for turn in stats[self._turns_seen : len(stats)]:
-            for field in TOKEN_COUNTERS:
-                self._tokens[field] += getattr(turn, field)
-            self._turns_seen += 1
+            self._latency.observe(seconds)
 
     def render(self) -> str:
         pool = self.engine.pool
+        sched = self.engine.scheduler
+        totals = dict(sched.turn_totals)
         with self._lock:
-            self._fold_turns()
             out = _family("agentkv_requests_total", "counter", "HTTP requests by endpoint and status.")
             out += [f'agentkv_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self._requests.items())]
             for field, (name, help_text) in TOKEN_COUNTERS.items():
-                out += _family(name, "counter", help_text) + [f"{name} {self._tokens[field]}"]
+                out += _family(name, "counter", help_text) + [f"{name} {int(totals.get(field, 0))}"]
             out += _gauge("agentkv_kv_pages_free", "KV cache pages free.", pool.num_free)
             out += _gauge("agentkv_kv_pages_used", "KV cache pages referenced.", pool.num_used)
             out += _gauge("agentkv_kv_pages_total", "KV cache pages in the pool.", pool.num_pages)
             cache = self.engine.cache_stats()
             out += _gauge("agentkv_kv_pages_pinned", "KV cache pages held by sessions.", cache["pages_pinned"])
             out += _gauge("agentkv_prefix_cache_pages", "KV cache pages held by the prefix cache.", cache.get("cached_pages", 0))
-            out += _gauge("agentkv_active_requests", "Requests the scheduler is running.", len(self.engine.scheduler.active))
+            out += _gauge("agentkv_active_requests", "Requests queued or running.", sched.in_flight)
             out += _gauge("agentkv_sessions", "Named sessions held by the server.", len(self.sessions))
             out += _gauge("agentkv_busy_sessions", "Named sessions with a request in flight.", self.sessions.busy_count())
-            out += self._latency_lines()
+            out += _histogram("agentkv_turn_latency_seconds", "Wall-clock latency of a generation request (one turn).",
+                              "", self._latency)
+        out += self._scheduler_lines(totals)
         return "\n".join(out) + "\n"
 
-    def _latency_lines(self) -> list[str]:
-        name = "agentkv_turn_latency_seconds"
-        out = _family(name, "histogram", "Wall-clock latency of a generation request (one turn).")
-        cumulative = 0
-        for bound, n in zip(LATENCY_BUCKETS, self._latency_buckets):
-            cumulative += n
-            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self._latency_count}')
-        out += [f"{name}_sum {self._latency_sum}", f"{name}_count {self._latency_count}"]
+    def _scheduler_lines(self, totals: dict[str, float]) -> list[str]:
+        sched, pool, m = self.engine.scheduler, self.engine.pool, self.model_label
+        c = sched.counters
+        out = _labelled("vllm:num_requests_running", "gauge", "Requests in model execution batches.", m, len(sched.running))
+        out += _labelled("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", m, len(sched.waiting))
+        out += _labelled("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", m,
+                         pool.num_used / pool.num_pages)
+        out += _labelled("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", m, c.preemptions)
+        out += _labelled("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens.", m,
+                         c.prefix_queries)
+        out += _labelled("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in cached tokens.", m,
+                         c.prefix_hits)
+        out += _labelled("vllm:prompt_tokens_total", "counter", "Prefill tokens processed.", m,
+                         int(totals.get("prompt_tokens", 0)))
+        out += _labelled("vllm:generation_tokens_total", "counter", "Generation tokens processed.", m,
+                         int(totals.get("generated_tokens", 0)))
+        out += _histogram("vllm:request_queue_time_seconds", "Time spent waiting in the queue.", m, c.queue_s)
+        out += _histogram("agentkv_step_batch_size", "Requests per scheduler step.", "", c.batch_size)
+        out += _labelled("agentkv_steps_total", "counter", "Scheduler steps that ran work.", "", c.steps)
+        out += _labelled("agentkv_requests_cancelled_total", "counter", "Requests cancelled (client gone).", "", c.cancelled)
+        out += _labelled("agentkv_step_seconds_total", "counter", "Wall time of steps that ran work.", "", c.step_s)
+        out += _labelled("agentkv_forward_seconds_total", "counter", "Of that, time in the model's forward.", "", c.forward_s)
         return out
 
 
 def _family(name: str, kind: str, help_text: str) -> list[str]:
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+def _labelled(name: str, kind: str, help_text: str, labels: str, value: float) -> list[str]:
+    return _family(name, kind, help_text) + [f"{name}{labels} {value}"]
+
+
+def _histogram(name: str, help_text: str, labels: str, h: Histogram) -> list[str]:
+    inner = labels[1:-1] + "," if labels else ""
+    out = _family(name, "histogram", help_text)
+    out += [f'{name}_bucket{{{inner}le="{bound}"}} {n}' for bound, n in h.cumulative()]
+    out.append(f'{name}_bucket{{{inner}le="+Inf"}} {h.total}')
+    return out + [f"{name}_sum{labels} {h.sum}", f"{name}_count{labels} {h.total}"]
 
 
 def _gauge(name: str, help_text: str, value: int) -> list[str]:

@@ -5,7 +5,7 @@ new turn's tokens.
 A session per stored response costs little: a fork shares every page with the
 session it came from, and copies (on its first write) only the partially
 filled last one. Idle sessions are parked by the engine's usual policy
-(pin_ttl, Engine._make_room): their pages go to the prefix cache, their
+(pin_ttl, engine.kv_policy): their pages go to the prefix cache, their
 tokens stay, and the next fork re-matches them (what is no longer cached is
 recomputed). A response belongs to the tenant that made it: to any other one
 it does not exist (404).
@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from engine.api.errors import not_found
 from engine.api.held_text import HeldText
@@ -93,15 +92,14 @@ class ResponseStore:
         """Requests generating a response now (the server drains them before closing the store)."""
         return self._running
 
-    @contextmanager
-    def generating(self) -> Iterator[None]:
+    def enter(self) -> None:
+        """A response has begun generating (leave() when it is finished)."""
         with self._lock:
             self._running += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running -= 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         with self._lock:

@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.api.continuation import plan, retokenize_reply
-from engine.api.generation import OnTokens
+from engine.api.continuation import Plan, plan, retokenize_reply
 from engine.api.held_text import HeldText
 from engine.api.replies import ReplyText
 from engine.api.response_items import Item, listed, new_item_id, reply_message
@@ -25,10 +24,12 @@ from engine.api.responses_schemas import (
     ResponseUsage,
 )
 from engine.api.schemas import FunctionDefinition, Tool
+from engine.request import OnDone, OnTokens
 from engine.structured import request_grammar
 
 if TYPE_CHECKING:
-    from engine import Engine
+    from engine import Engine, Session
+    from engine.request import Request as EngineRequest
     from engine.api.replies import Reply
     from engine.api.state import ApiState
     from engine.grammar import Grammar
@@ -80,11 +81,20 @@ class Turn:
     token_ids: list[int]
 
 
-def run_turn(api: "ApiState", store: ResponseStore, turn: TurnRequest, on_tokens: OnTokens) -> Turn:
-    """The engine work of one response, on its generation's thread: the
-    response is stored (store=true) before this returns, so a client that has
-    gone away leaves nothing unaccounted for. On error nothing is changed."""
-    with store.generating():
+class ResponseTurn:
+    """The engine work of one response, begun and finished off the event
+    loop: the response is stored (store=true) when it is finished, so a
+    client that has gone away leaves nothing unaccounted for. On error or
+    cancellation nothing is changed."""
+
+    def __init__(self, api: "ApiState", store: ResponseStore, turn: TurnRequest, p: Plan, session: "Session",
+                 req: "EngineRequest", start: float):
+        self.api, self.store, self.turn, self.plan, self.session, self.req = api, store, turn, p, session, req
+        self.start = start
+
+    @classmethod
+    def begin(cls, api: "ApiState", store: ResponseStore, turn: TurnRequest, on_tokens: OnTokens,
+              on_done: OnDone) -> "ResponseTurn":
         start = time.perf_counter()
         tokenizer = api.tokenizer
         p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools)
@@ -93,26 +103,43 @@ def run_turn(api: "ApiState", store: ResponseStore, turn: TurnRequest, on_tokens
         session = p.base.fork() if p.base else api.engine.session(turn.tenant)
         try:
             session.queue(p.delta_ids)
-            stats = session.turn  # filed in engine.stats by generate
-            stats.prompt_tokens, stats.reused_tokens = len(session), session.table.length
             body = turn.body
-            ids = session.generate(
+            req = session.start_generate(
                 max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
-                grammar=grammar, on_tokens=on_tokens,
+                grammar=grammar, on_tokens=on_tokens, on_done=on_done,
             )
+        except BaseException:
+            session.close()
+            raise
+        store.enter()
+        return cls(api, store, turn, p, session, req, start)
+
+    def cancel(self) -> None:
+        self.req.cancel()
+
+    def finish(self) -> Turn:
+        api, turn, session, req = self.api, self.turn, self.session, self.req
+        try:
+            if req.error is not None:
+                raise req.error
+            ids, stats = req.output, req.turn
             reply = _reply(api, turn, ids)
             response = _finished(turn, reply, stats, len(ids))
-            if body.store:
+            if turn.body.store:
+                tokenizer = api.tokenizer
                 retokenize_reply(tokenizer, session, stats.prompt_tokens)
-                held = HeldText(p.held, p.delta_text + tokenizer.decode(ids))
-                messages = p.messages + [reply_message(reply.content, reply.tool_calls)]
-                store.put(StoredResponse(response, turn.tenant, listed(turn.items), messages, turn.previous, held, session))
+                held = HeldText(self.plan.held, self.plan.delta_text + tokenizer.decode(ids))
+                messages = self.plan.messages + [reply_message(reply.content, reply.tool_calls)]
+                self.store.put(StoredResponse(response, turn.tenant, listed(turn.items), messages, turn.previous,
+                                              held, session))
             else:
                 session.close()
         except BaseException:
             session.close()
             raise
-        api.metrics.observe_turn(time.perf_counter() - start)
+        finally:
+            self.store.leave()
+        api.metrics.observe_turn(time.perf_counter() - self.start)
         return Turn(response, ids)
 
 

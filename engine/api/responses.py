@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from functools import partial
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request
@@ -25,7 +24,7 @@ from engine.api.generation import Generation
 from engine.api.replies import ReplyText
 from engine.api.response_items import new_item_id
 from engine.api.response_store import ResponseStore, StoredResponse
-from engine.api.response_turn import TurnRequest, run_turn, shell
+from engine.api.response_turn import ResponseTurn, TurnRequest, shell
 from engine.api.responses_schemas import InputItemList, NamedFunctionChoice, Response, ResponseDeleted, ResponsesRequest
 from engine.api.responses_stream import response_events
 from engine.api.sse import event_stream
@@ -74,11 +73,12 @@ async def create_response(body: ResponsesRequest, request: Request, authorizatio
     response_id = "resp_" + secrets.token_hex(12)
     turn = TurnRequest(body, body.items(), tenant, previous, shell(body, response_id), new_item_id("message"))
     text = ReplyText(api.tokenizer, (), api.tool_format if turn.tools else None)
-    gen = Generation(partial(run_turn, api, _store(request), turn))
+    store = _store(request)
+    gen = await Generation.begin(lambda on_tokens, on_done: ResponseTurn.begin(api, store, turn, on_tokens, on_done))
     if not body.stream:
-        return (await gen.result()).response
+        return (await gen.result_unless_gone(request)).response
     await gen.started()
-    return event_stream(response_events(gen, text, turn.shell, turn.message_id, api.stop_ids))
+    return event_stream(response_events(gen, text, turn.shell, turn.message_id, api.stop_ids), gen.abandon)
 
 
 @router.get("/{response_id}")

@@ -72,24 +72,58 @@ class SessionRegistry:
 
     def create(self, session_id: str | None = None) -> str:
         session_id = session_id or "sess_" + secrets.token_hex(12)
-        with self._lock:
-            if session_id in self._entries:
-                raise APIError(409, f"session {session_id!r} already exists", code="session_exists", param="session_id")
-            self._entries[session_id] = _Entry(self.engine.session(self.namespace))
+        self._add(session_id, exists_ok=False).release()
         return session_id
 
     def lease(self, session_id: str, create: bool = False) -> Lease:
         """Take the session (made empty on first use with create); 404 if unknown, 409 if busy."""
         with self._lock:
-            entry = self._entries.get(session_id)
-            if entry is None:
-                if not create:
-                    raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
-                entry = self._entries[session_id] = _Entry(self.engine.session(self.namespace))
-            if entry.busy:
-                raise APIError(409, f"session {session_id!r} already has a request in flight", code="session_busy")
-            entry.busy = True
+            entry = self._live(session_id)
+            if entry is None and not create:
+                raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
+            if entry is not None:
+                return self._take(session_id, entry)
+        return self._add(session_id, exists_ok=True)
+
+    def _add(self, session_id: str, exists_ok: bool) -> Lease:
+        # Made outside the registry's lock: making a session waits for the
+        # engine's, which a step holds, and nothing else should wait behind it.
+        session = self.engine.session(self.namespace)
+        try:
+            with self._lock:
+                entry = self._live(session_id)
+                if entry is None:
+                    self._prune()
+                    entry = self._entries[session_id] = _Entry(session)
+                    session = None
+                elif not exists_ok:
+                    raise APIError(409, f"session {session_id!r} already exists", code="session_exists",
+                                   param="session_id")
+                return self._take(session_id, entry)
+        finally:
+            if session is not None:  # another request made it first
+                session.close()
+
+    def _take(self, session_id: str, entry: _Entry) -> Lease:
+        if entry.busy:
+            raise APIError(409, f"session {session_id!r} already has a request in flight", code="session_busy")
+        entry.busy = True
         return Lease(self, session_id, entry)
+
+    def _live(self, session_id: str) -> _Entry | None:
+        """The entry, unless its session was closed by the engine (idle timeout,
+        session limit): then the entry goes too."""
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.session.closed:
+            del self._entries[session_id]
+            return None
+        return entry
+
+    def _prune(self) -> None:
+        """Past the engine's session limit, forget the entries of closed sessions."""
+        if len(self._entries) >= self.engine.limits.max_sessions:
+            for session_id in [k for k, e in self._entries.items() if e.session.closed]:
+                del self._entries[session_id]
 
     def fork(self, session_id: str) -> str:
         """A new session sharing the source's pages (copy-on-write) and its turn history."""
@@ -107,7 +141,8 @@ class SessionRegistry:
             lease.session.close()
 
     def info(self, session_id: str) -> SessionInfo:
-        entry = self._entries.get(session_id)
+        with self._lock:
+            entry = self._live(session_id)
         if entry is None:
             raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
         s = entry.session

@@ -4,7 +4,7 @@ has begun as one `data: {"error": ...}` event before [DONE]."""
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -22,5 +22,19 @@ def error_event(exc: BaseException) -> str:
     return f"data: {json.dumps(from_exception(exc).body())}\n\n"
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def event_stream(events: AsyncIterator[str], on_abort: Callable[[], None]) -> StreamingResponse:
+    """The events as a response; on_abort is called if the stream stops
+    before its end (the client went away)."""
+    return StreamingResponse(_guarded(events, on_abort), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _guarded(events: AsyncIterator[str], on_abort: Callable[[], None]) -> AsyncIterator[str]:
+    ended = False
+    try:
+        async for chunk in events:
+            yield chunk
+        ended = True
+    finally:
+        if not ended:
+            on_abort()

@@ -27,7 +27,7 @@ class ApiState:
     @classmethod
     def for_engine(cls, engine: "Engine", model_name: str) -> "ApiState":
         sessions = SessionRegistry(engine)
-        return cls(engine, model_name, sessions, Metrics(engine, sessions))
+        return cls(engine, model_name, sessions, Metrics(engine, sessions, model_name))
 
     @property
     def tokenizer(self) -> "Tokenizer":
