@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.bench_turns import reply_token_count
-from experiments.common import machine, median, run_dir, table, write_json
+from experiments.common import log_wandb_offline, machine, median, run_dir, table, write_json
 from experiments.workloads import interleaved_run
 
 CONFIGS = [dict(sessions=s, radix=r, spec=p) for s, r, p in itertools.product((True, False), repeat=3)]
@@ -215,25 +215,11 @@ def plot(res: dict, path: Path) -> None:
 
 
 def log_wandb(res: dict, out: Path) -> str:
-    os.environ["WANDB_MODE"] = "offline"
-    os.environ.setdefault("WANDB_SILENT", "true")
-    try:
-        import wandb
-    except Exception as e:  # noqa: BLE001
-        return f"wandb skipped: {type(e).__name__}: {e}"
-    try:
-        run = wandb.init(project="agentkv", job_type="ablate", mode="offline", dir=str(out),
-                         config={**res["args"], "command": res["command"]}, name="ablate")
-        cols = ["sessions", "radix", "spec", "e2e_s", "median_turn_s", "computed_tokens", "speedup_e2e"]
-        data = [[r["config"]["sessions"], r["config"]["radix"], r["config"]["spec"], r["e2e_s"], r["median_turn_s"],
-                 r["computed_tokens"], r["speedup_e2e_vs_stateless"]] for r in res["results"].values()]
-        run.log({"ablation": wandb.Table(columns=cols, data=data)})
-        for n, r in res["results"].items():
-            run.summary[f"{short(r['config'])}/e2e_s"] = r["e2e_s"]
-        run.finish()
-        return f"wandb offline run in {out}/wandb"
-    except Exception as e:  # noqa: BLE001
-        return f"wandb failed: {type(e).__name__}: {e}"
+    cols = ["sessions", "radix", "spec", "e2e_s", "median_turn_s", "computed_tokens", "speedup_e2e"]
+    data = [[r["config"]["sessions"], r["config"]["radix"], r["config"]["spec"], r["e2e_s"], r["median_turn_s"],
+             r["computed_tokens"], r["speedup_e2e_vs_stateless"]] for r in res["results"].values()]
+    summary = {f"{short(r['config'])}/e2e_s": r["e2e_s"] for r in res["results"].values()}
+    return log_wandb_offline("ablate", {**res["args"], "command": res["command"]}, summary, {"ablation": (cols, data)}, out)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -80,3 +80,25 @@ def table(headers: list[str], rows: list[list]) -> str:
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def log_wandb_offline(job: str, config: dict, summary: dict, tables: dict[str, tuple[list[str], list[list]]],
+                      out: Path) -> str:
+    """An offline wandb run under out/wandb: config, summary values and
+    tables (name -> (columns, rows)). Returns what happened, never raises."""
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb
+    except Exception as e:  # noqa: BLE001
+        return f"wandb skipped: {type(e).__name__}: {e}"
+    try:
+        run = wandb.init(project="agentkv", job_type=job, mode="offline", dir=str(out), config=config, name=job)
+        for name, (columns, rows) in tables.items():
+            run.log({name: wandb.Table(columns=columns, data=rows)})
+        for key, value in summary.items():
+            run.summary[key] = value
+        run.finish()
+        return f"wandb offline run in {out}/wandb"
+    except Exception as e:  # noqa: BLE001
+        return f"wandb failed: {type(e).__name__}: {e}"

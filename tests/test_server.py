@@ -236,6 +236,13 @@ def test_concurrent_clients_match_one_at_a_time(server):
     clients, turns = 16, 10
     client = server.client()
     alone = [conversation(client, i, turns, f"alone-{i}") for i in range(clients)]
+    # Nothing the reference runs computed may be found again: the comparison is with work done from scratch.
+    with server.http() as http:
+        for i in range(clients):
+            assert http.delete(f"/v1/sessions/alone-{i}").status_code == 200
+    with server.engine.lock:
+        server.engine.radix.clear()
+    batched = sum(server.engine.scheduler.counters.batch_size.counts[1:])
     together: list = [None] * clients
     barrier = threading.Barrier(clients)
 
@@ -250,10 +257,10 @@ def test_concurrent_clients_match_one_at_a_time(server):
         t.join(120)
     assert together == alone
     assert len({tuple(c) for c in alone}) > 1  # the conversations do differ
+    assert sum(server.engine.scheduler.counters.batch_size.counts[1:]) > batched, "no step held two requests"
     with server.http() as http:
         for i in range(clients):
-            for name in (f"alone-{i}", f"together-{i}"):
-                assert http.delete(f"/v1/sessions/{name}").status_code == 200
+            assert http.delete(f"/v1/sessions/together-{i}").status_code == 200
     assert_all_pages_free(server.engine)
 
 
@@ -451,3 +458,39 @@ def test_metrics(server):
     assert after["agentkv_kv_pages_free"] + after["agentkv_kv_pages_used"] == after["agentkv_kv_pages_total"]
     assert after["agentkv_active_requests"] == 0
     assert after["agentkv_spec_accepted_tokens_total"] <= after["agentkv_spec_drafted_tokens_total"]
+    # vLLM's names, with its model_name label, for tools written against vLLM.
+    label = f'{{model_name="{MODEL}"}}'
+    assert after[f"vllm:num_requests_running{label}"] == 0 and after[f"vllm:num_requests_waiting{label}"] == 0
+    assert grew(f"vllm:prompt_tokens_total{label}") == r.usage.prompt_tokens
+    assert grew(f"vllm:generation_tokens_total{label}") == r.usage.completion_tokens
+    assert grew(f"vllm:prefix_cache_queries_total{label}") == r.usage.prompt_tokens
+    assert grew(f"vllm:prefix_cache_hits_total{label}") == r.usage.prompt_tokens_details.cached_tokens
+    assert grew(f"vllm:request_queue_time_seconds_count{label}") == 1
+    usage = after[f"vllm:kv_cache_usage_perc{label}"]
+    assert usage == after["agentkv_kv_pages_used"] / after["agentkv_kv_pages_total"]
+    assert grew("agentkv_step_batch_size_count") >= 1 and after["agentkv_step_seconds_total"] >= after["agentkv_forward_seconds_total"]
+
+
+def test_disconnect_without_streaming_cancels(server):
+    sched = server.engine.scheduler
+    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": "gone", "ignore_eos": True}
+    cancelled = sched.counters.cancelled
+    gate, step = threading.Event(), server.engine.runner.step
+    server.engine.runner.step = lambda items: gate.wait(30) and step(items)
+    try:
+        with server.http() as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/chat/completions", json=body, timeout=1.0)  # the client gives up, closing the connection
+        for _ in range(500):
+            if sched.counters.cancelled > cancelled:
+                break
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        server.engine.runner.step = step
+    server.wait_idle()
+    assert sched.counters.cancelled == cancelled + 1
+    info = server.session_info("gone")
+    assert not info["busy"] and info["length"] == 0 and info["turns"] == []
+    with server.http() as http:
+        assert http.delete("/v1/sessions/gone").status_code == 200
