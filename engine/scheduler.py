@@ -232,6 +232,8 @@ class Scheduler:
                 break
             if req.done.is_set() or req in self._preempted_now:  # gave way to another this step
                 continue
+            if not req.admitted and len(self.running) >= self.limits.max_num_seqs:
+                continue  # no free slot: it waits
             if req.ready_logits is not None:
                 work.append(self._admit(_Work(req, None, [])))
                 continue
