@@ -184,13 +184,14 @@ class Scheduler:
             return self._step()
 
     def _step(self) -> bool:
+        start = time.perf_counter()
         self._reap()
         work = self._schedule()
         if not work:
             return False
-        start = time.perf_counter()
         items = [w.item for w in work if w.item is not None]
         logits = []
+        forward_start = time.perf_counter()
         if items:
             try:
                 with nvtx_range(_phase(work)):
@@ -199,7 +200,7 @@ class Scheduler:
                 for w in work:
                     self._fail(w.req, e)
                 return True
-        forward = time.perf_counter() - start
+        forward = time.perf_counter() - forward_start
         rows = iter(logits)
         self._emit(work, [next(rows) if w.item is not None else w.req.ready_logits for w in work], forward)
         c = self.counters
@@ -307,6 +308,8 @@ class Scheduler:
         The hook where a host tier would take the KV instead."""
         self.policy.release(req.seq)
         req.ready_logits = None
+        # An append's wanted logits are all recomputed: its prefix match stops before them.
+        req.logits = []
         req.preemptions += 1
         self._preempted_now.add(req)
         self.counters.preemptions += 1

@@ -99,19 +99,21 @@ class Session:
         if n > limit:
             raise ContextLengthError(f"{n} tokens exceed the model's context of {limit}")
 
-    def _run(self, req: Request, tokens: list[int] = ()) -> Request:
-        self._scheduler.submit(req, tokens)
-        self._scheduler.wait(req)
-        if req.error is not None:
-            raise req.error
+    def start_append(self, token_ids: Iterable[int], *, all_logits: bool = False) -> Request:
+        """Queue an append and return at once (see append); once done, the
+        request's `logits` hold the wanted rows, chunk by chunk."""
+        ids = self._check_tokens(token_ids)
+        req = Request(self._seq, None, num_logits=len(ids) if all_logits else 1)
+        self._scheduler.submit(req, ids)
         return req
 
     def append(self, token_ids: Iterable[int], *, all_logits: bool = False) -> torch.Tensor:
         """Compute the KV of these tokens (and nothing held before them).
         Returns the logits after the last token [vocab], or with all_logits
         the logits after each appended token [n, vocab]."""
-        ids = self._check_tokens(token_ids)
-        req = self._run(Request(self._seq, None, num_logits=len(ids) if all_logits else 1), ids)
+        req = self._scheduler.wait(self.start_append(token_ids, all_logits=all_logits))
+        if req.error is not None:
+            raise req.error
         logits = torch.cat(req.logits)
         return logits if all_logits else logits[-1]
 
@@ -170,8 +172,7 @@ class Session:
         every token drawn and every draft accepted is one the grammar allows,
         and generation stops where the grammar ends. Keyword arguments as
         start_generate. On error the session is as it was before."""
-        req = self.start_generate(max_tokens, **kwargs)
-        self._scheduler.wait(req)
+        req = self._scheduler.wait(self.start_generate(max_tokens, **kwargs))
         if req.error is not None:
             raise req.error
         return req.output

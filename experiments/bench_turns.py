@@ -88,6 +88,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine.chat_turn import common_prefix_len
 from experiments.common import SHAPES, machine, median, parse_systems, random_model, run_dir, table, write_json
 from experiments.workloads import six_turn_workflow, thirty_five_turn_workflow
 
@@ -208,14 +209,6 @@ def prepare_requests(tokenizer, wf, max_turns: int | None, max_gen: int | None,
             continue
         reqs.append(Request(i, turn.agent, turn.index, turn.request, turn.tools, ids, gen, n))
     return reqs
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def kv_tokens_needed(reqs: list[Request]) -> int:
@@ -402,7 +395,7 @@ class HFSystem(System):
             if cache is None:
                 cache = DynamicCache(config=self.model.config)
             else:
-                reused = min(common_prefix(held, r.ids), len(r.ids) - 1)
+                reused = min(common_prefix_len(held, r.ids), len(r.ids) - 1)
                 if len(held) > reused:
                     cache.crop(reused - len(held))  # a negative count removes that many tokens from the end
         new, latency, prefill, decode = hf_generate(self.model, r.ids, r.gen, cache)
@@ -686,7 +679,7 @@ def run(args) -> dict:
             for t, b in both:
                 a_ids, b_ids = t["repeats"][0].get("token_ids"), b["repeats"][0].get("token_ids")
                 if a_ids is not None and b_ids is not None:
-                    lead.append(common_prefix(a_ids, b_ids) / max(len(b_ids), 1))
+                    lead.append(common_prefix_len(a_ids, b_ids) / max(len(b_ids), 1))
             res["greedy_agreement"] = sum(lead) / len(lead) if lead else None
             # Over the turns both ran: all of them, unless one system served a sample.
             ratios = [t["latency_s"] / b["latency_s"] for t, b in both]

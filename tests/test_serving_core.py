@@ -97,6 +97,30 @@ def test_pool_smaller_than_the_working_set_queues_and_preempts_instead_of_failin
     assert_all_pages_free(engine)
 
 
+def test_an_append_preempted_midway_returns_every_logit_once(ckpt):
+    tokens = ids(40, 20)
+    ref_engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, prefix_cache=False)
+    with ref_engine.session() as ref:
+        expected = ref.append(tokens, all_logits=True)
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=14, limits=Limits(prefill_chunk=4))
+    older = engine.session()  # an earlier conversation: its turn goes first
+    older.queue(ids(30, 21))
+    s = engine.session()
+    req = s.start_append(tokens, all_logits=True)
+    for _ in range(4):
+        engine.scheduler.step()
+    assert 0 < s.table.length < 40
+    first = older.start_generate(max_tokens=16, ignore_eos=True)  # needs most of the pool
+    engine.scheduler.wait(first)
+    engine.scheduler.wait(req)
+    assert req.preemptions >= 1 and first.error is None and req.error is None
+    got = torch.cat(req.logits)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    older.close()
+    s.close()
+
+
 def test_a_prompt_larger_than_the_pool_is_refused_at_once_and_changes_nothing(ckpt):
     engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=10)
     s = engine.session()
