@@ -77,6 +77,47 @@ def test_concurrent_clients_are_batched_and_match_one_at_a_time(ckpt):
     assert_all_pages_free(engine)
 
 
+def test_logits_do_not_depend_on_what_shares_the_step_or_where_the_pages_sit(ckpt):
+    """fp32: bit for bit, so that reruns of an ablation agree (see docs/architecture.md)."""
+    x, more = ids(37, 30), ids(9, 31)
+
+    def engine() -> Engine:
+        return Engine.from_pretrained(ckpt, page_size=PS, num_pages=128, prefix_cache=False,
+                                      limits=Limits(prefill_chunk=8, max_num_batched_tokens=64))
+
+    alone = engine()
+    with alone.session() as s:
+        want = s.append(x, all_logits=True)
+        want_gen = s.generate(max_tokens=6, ignore_eos=True, speculative=False)
+        want_more = s.append(more, all_logits=True)
+    busy = engine()
+    # Scatter the free pages: fill the pool with small sessions, then close every other one.
+    fillers = [busy.session() for _ in range(20)]
+    for i, f in enumerate(fillers):
+        f.append(ids(4 * (1 + i % 3), 40 + i))
+    for f in fillers[::2]:
+        f.close()
+    # Others prefill and decode in the same steps.
+    others = [busy.session() for _ in range(3)]
+    reqs = []
+    for i, o in enumerate(others):
+        o.queue(ids(11 + 13 * i, 50 + i))
+        reqs.append(o.start_generate(max_tokens=30, ignore_eos=True))
+    busy.scheduler.step()
+    with busy.session() as s:
+        got = s.append(x, all_logits=True)
+        got_gen = s.generate(max_tokens=6, ignore_eos=True, speculative=False)
+        got_more = s.append(more, all_logits=True)
+        pages = list(s.table.pages)
+    for r in reqs:
+        busy.scheduler.wait(r)
+    assert any(b != a + 1 for a, b in zip(pages, pages[1:])), "the pages did land scattered"
+    assert sum(busy.scheduler.counters.batch_size.counts[1:]) > 0
+    assert torch.equal(got, want) and got_gen == want_gen and torch.equal(got_more, want_more)
+    for o in fillers[1::2] + others:
+        o.close()
+
+
 def test_pool_smaller_than_the_working_set_queues_and_preempts_instead_of_failing(ckpt):
     # 8 requests of ~40 tokens each need ~80 pages of 4; the pool holds 30.
     prompts = [ids(20 + i, 200 + i) for i in range(8)]
