@@ -42,14 +42,9 @@ class KVPolicy:
         seq.table.release()
         seq.last_logits = None
 
-    def park(self, seq: Sequence) -> None:
-        self.release(seq)
-        seq.parked = True
-
     def reuse_prefix(self, seq: Sequence, limit: int) -> int:
         """A sequence holding no KV starts from the longest cached prefix of
         its tokens (at most limit of them). Returns the tokens matched."""
-        seq.parked = False
         if self.radix is None or seq.table.length or not seq.tokens or limit < 1:
             return 0
         length, pages = self.radix.match(seq.tokens, seq.namespace)
@@ -76,7 +71,7 @@ class KVPolicy:
         for seq in sorted(ready, key=lambda s: s.idle_since):
             if self.pool.num_free >= pages:
                 break
-            self.park(seq)
+            self.release(seq)
             if self.radix is not None:
                 self.radix.evict(pages - self.pool.num_free)
         return self.pool.num_free >= pages

@@ -33,7 +33,6 @@ class Sequence:
     last_logits: torch.Tensor | None = None  # after the last token; valid while every token's KV is held
     drafter: NGramDrafter | None = None
     idle_since: float = field(default_factory=time.monotonic)
-    parked: bool = False
     closed: bool = False
     busy: bool = False  # a request is queued or running on it
     finish_reason: str | None = None  # of the last generation: "stop" or "length"

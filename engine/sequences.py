@@ -84,7 +84,6 @@ class Sequences:
             into.tokens, source.tokens = source.tokens, []
             into.drafter, source.drafter = source.drafter, None
             into.last_logits, into.finish_reason, into.turn = source.last_logits, source.finish_reason, source.turn
-            into.parked = False
             self.close(source)
 
     def hand_over_drafter(self, source: Sequence, to: Sequence) -> None:
@@ -99,7 +98,7 @@ class Sequences:
     def park(self, seq: Sequence) -> None:
         """Publish and release an idle sequence's pages; its tokens stay."""
         with self.idle(seq):
-            self.policy.park(seq)
+            self.policy.release(seq)
 
     def close(self, seq: Sequence) -> None:
         """Publish and release; a request still queued or running on it fails."""

@@ -95,6 +95,8 @@ class Metrics:
         out += _histogram("agentkv_step_batch_size", "Requests per scheduler step.", "", c.batch_size)
         out += _labelled("agentkv_steps_total", "counter", "Scheduler steps that ran work.", "", c.steps)
         out += _labelled("agentkv_requests_cancelled_total", "counter", "Requests cancelled (client gone).", "", c.cancelled)
+        out += _labelled("agentkv_requests_finished_total", "counter", "Engine requests that finished.", "", c.finished)
+        out += _labelled("agentkv_requests_failed_total", "counter", "Engine requests that failed (rolled back).", "", c.failed)
         out += _labelled("agentkv_step_seconds_total", "counter", "Wall time of steps that ran work.", "", c.step_s)
         out += _labelled("agentkv_forward_seconds_total", "counter", "Of that, time in the model's forward.", "", c.forward_s)
         return out
