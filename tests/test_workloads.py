@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import re
@@ -62,6 +63,21 @@ def check_workflow(wf: Workflow) -> None:
 
 def tool_results(wf: Workflow) -> list[int]:
     return [approx_tokens(m["content"]) for c in wf.conversations for m in c.messages if m["role"] == "tool"]
+
+
+# sha256 of to_json(), recorded before the word lists moved from the module
+# to experiments/data/workloads.json: the generator's output did not change,
+# and any later edit of a pool or a draw shows here.
+RECORDED = [
+    (lambda: six_turn_workflow(0), "26ecc7406076f298aa9b52384e85e394b705d7909cf0e2f76764cac40058e2d7"),
+    (lambda: thirty_five_turn_workflow(0), "c0b99d63e6007f6a03054f8a336e397ae51c9dadcaa3c5fcf934cfd2cd6247a1"),
+    (lambda: interleaved_run(0, 4, 3), "41eb15216a99bd560d0f333fbd476cf9e3758ecbc85f0bd2bb0d7032b0d36b8c"),
+]
+
+
+@pytest.mark.parametrize("make,digest", RECORDED, ids=["six", "thirty_five", "interleaved"])
+def test_workflows_are_the_recorded_bytes(make, digest):
+    assert hashlib.sha256(make().to_json().encode()).hexdigest() == digest
 
 
 @pytest.mark.parametrize("shape", SHAPES)
