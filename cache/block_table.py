@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 from cache.pool import PagePool
 
 
@@ -76,6 +78,13 @@ class BlockTable:
     def slot(self, pos: int) -> int:
         ps = self.pool.page_size
         return self.pages[pos // ps] * ps + pos % ps
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions [start, end), on the pool's device."""
+        ps = self.pool.page_size
+        pos = torch.arange(start, end)
+        pages = torch.tensor(self.pages, dtype=torch.long)[pos // ps]
+        return (pages * ps + pos % ps).to(self.pool.kv.device)
 
     def release(self) -> None:
         self.truncate(0)

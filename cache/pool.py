@@ -42,6 +42,8 @@ class PagePool:
         # attention over it needs no gather (see kernels.reference._by_head).
         storage = torch.zeros(num_layers, 2, num_kv_heads, num_pages, page_size, head_dim, dtype=dtype, device=device)
         self.kv = storage.permute(0, 1, 3, 4, 2, 5)
+        # Slot-addressed: [layer, K/V, head, page * page_size + slot, dim].
+        self._slots = storage.view(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
         self.refcount = [0] * num_pages
         # A stack popped from the end: low page ids first, so a fresh sequence
         # tends to get consecutive pages.
@@ -55,6 +57,20 @@ class PagePool:
     ) -> int:
         page_bytes = num_layers * 2 * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         return max(1, budget_bytes // page_bytes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV one token takes, over every layer."""
+        L, _, H, _, D = self._slots.shape
+        return L * 2 * H * D * self.kv.element_size()
+
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The KV in these slots as [token, layer, K/V, kv_head, head_dim] (a copy)."""
+        return self._slots.index_select(3, slots).permute(3, 0, 1, 2, 4).contiguous()
+
+    def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Inverse of read_slots: kv [token, layer, K/V, kv_head, head_dim] into these slots."""
+        self._slots.index_copy_(3, slots, kv.to(self._slots.device, self._slots.dtype).permute(1, 2, 3, 0, 4))
 
     @property
     def num_free(self) -> int:

@@ -102,19 +102,21 @@ class ChatTurn:
         elif self.engine.stateless:
             work.close()
             session.truncate(0)
-        else:
-            session.adopt(work)
         ids = req.output
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:  # OpenAI semantics: the stop string is not part of the reply
             text = text[:cut]
         content, calls = parse_tool_calls(text)
+        if session is not None and not self.engine.stateless:
+            session.adopt(work)
+            session.end_turn([c["name"] for c in calls])
         usage = {
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(ids),
             "total_tokens": self.prompt_len + len(ids),
             "cached_tokens": stats.reused_tokens,
             "computed_tokens": stats.computed_tokens,
+            "restored_tokens": stats.restored_tokens,
         }
         return ChatResult(content, calls, usage, "tool_calls" if calls else req.finish_reason, ids)

@@ -2,11 +2,14 @@
 owns every sequence on them."""
 from __future__ import annotations
 
+import zlib
 from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from cache.kv_tier import KVTier
 from cache.pool import PagePool
 from cache.radix import RadixCache
 from engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
@@ -14,6 +17,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCache
 from engine.kv_policy import KVPolicy
 from engine.limits import Limits
+from engine.retention import Retention, RetentionConfig
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequences import Sequences
@@ -28,6 +32,17 @@ from model.tokenizer import Tokenizer
 __all__ = ["Engine", "ChatResult", "common_prefix_len"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_OFFLOAD_BYTES = 4 << 30
+DEFAULT_KV_OFFLOAD_DISK_BYTES = 16 << 30
+
+
+def model_identity(model: Transformer) -> dict:
+    """What KV saved for this model must match: its shape and a fingerprint of its weights."""
+    crc = 0
+    for name, p in sorted(model.state_dict().items()):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(p.detach().flatten()[:4096].float().cpu().numpy().tobytes(), crc)
+    return {"config": repr(model.cfg), "dtype": str(model.dtype), "weights_crc32": crc}
 
 
 class Engine:
@@ -45,6 +60,11 @@ class Engine:
         pin_ttl: float | None = 300.0,
         constrain_auto: bool = True,
         limits: Limits | None = None,
+        retention: str | RetentionConfig = "tool",
+        kv_offload_bytes: int = DEFAULT_KV_OFFLOAD_BYTES,
+        kv_offload_dir: str | Path | None = None,
+        kv_offload_disk_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES,
+        kv_offload_codec: str = "pool",
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -60,11 +80,18 @@ class Engine:
         self.stateless = stateless
         self.radix = RadixCache(self.pool) if prefix_cache and not stateless else None
         try:
-            policy = KVPolicy(self.pool, self.radix, prefix_match)
+            config = retention if isinstance(retention, RetentionConfig) else RetentionConfig(mode=retention)
+            # The second tier: where KV leaving the pool goes (cache.kv_tier).
+            self.tier = None if stateless or kv_offload_bytes <= 0 else KVTier(
+                self.pool, kv_offload_bytes, kv_offload_dir, kv_offload_disk_bytes, kv_offload_codec,
+                model_identity(model))
+            policy = KVPolicy(self.pool, self.radix, prefix_match, Retention(config), self.tier)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+        self.retention = policy.retention
         self.prefix_match = prefix_match
-        self.pin_ttl = pin_ttl
+        # Plain LRU pins nothing: every idle session may give way at once.
+        self.pin_ttl = 0.0 if config.mode == "lru" else pin_ttl
         # Under tool_choice "auto", hold a call the model opens to the tools'
         # schemas (engine.structured). Off, "auto" decodes unconstrained, as
         # servers that only parse calls do.
@@ -129,6 +156,9 @@ class Engine:
             "pages_free": self.pool.num_free,
             "pages_pinned": len(pinned),  # held by live sessions: never evicted
             "pages_shared": sum(1 for rc in self.pool.refcount if rc > 1),
+            **({f"tier_{k}": v for k, v in asdict(self.tier.counters).items()} | {
+                "tier_host_bytes": self.tier.host_used, "tier_disk_bytes": self.tier.disk_used}
+               if self.tier is not None else {}),
         }
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,

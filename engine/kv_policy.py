@@ -1,14 +1,17 @@
 """Where a sequence's KV comes from and what gives way under memory pressure.
 
-A sequence holding no KV (new, parked or preempted) starts from the longest
-prefix of its tokens the radix cache holds. When a step needs pages, what
-nobody uses goes first: cached prefixes no sequence holds (least recently
-used first), then the pages of sequences idle past their pin time (longest
-idle first), which are published to the prefix cache as they go, so a
-later turn can still match whatever the cache keeps. Next the scheduler
-preempts lower-priority requests; only when none is left do idle sequences
-still inside their pin time give way (soft pins), rather than a request
-failing. A sequence pinned for good (pin_ttl None) never does.
+A sequence holding no KV (new, evicted or preempted) starts from the longest
+prefix of its tokens the radix cache holds, then restores from the second
+tier (cache.kv_tier) what that tier holds beyond it; only the rest is
+computed. When a step needs pages, what nobody uses goes first: cached
+prefixes no sequence holds (least recently used first), then idle sessions
+past their pin, in the retention policy's order (engine.retention). Such a
+session leaves the pool through evict: its KV goes to the tier (when there
+is one) and is published to the prefix cache, so a later turn finds it in
+one or the other. Next the scheduler preempts lower-priority requests; only
+when none is left do idle sessions still inside their pin give way (soft
+pins), rather than a request failing. A sequence pinned for good (pin_ttl
+None) never does.
 """
 from __future__ import annotations
 
@@ -17,18 +20,26 @@ import time
 from typing import Iterable
 
 from cache.block_table import BlockTable
+from cache.kv_tier import KVTier
 from cache.pool import PagePool
 from cache.radix import RadixCache
+from engine.retention import Retention
 from engine.sequence import Sequence
 
 
 class KVPolicy:
-    def __init__(self, pool: PagePool, radix: RadixCache | None, prefix_match: str = "token"):
+    def __init__(self, pool: PagePool, radix: RadixCache | None, prefix_match: str = "token",
+                 retention: Retention | None = None, tier: KVTier | None = None):
         # "block" reuses whole pages only, as block-hash caches (vLLM) and
         # page-aligned radix trees do: the baseline token granularity beats.
         if prefix_match not in ("token", "block"):
             raise ValueError(f"prefix_match must be 'token' or 'block', not {prefix_match!r}")
         self.pool, self.radix, self.prefix_match = pool, radix, prefix_match
+        self.retention = retention or Retention()
+        self.tier = tier
+        # Seconds a prefill token costs, measured by the scheduler: whether a
+        # preempted sequence's KV is cheaper copied out and back or recomputed.
+        self.prefill_s_per_token: float | None = None
 
     def publish(self, seq: Sequence) -> None:
         """Offer the sequence's computed tokens to the prefix cache."""
@@ -41,6 +52,25 @@ class KVPolicy:
         self.publish(seq)
         seq.table.release()
         seq.last_logits = None
+
+    def evict(self, seq: Sequence, preempted: bool = False) -> None:
+        """Move the sequence out of the pool: its KV to the tier (for a
+        preempted one, only when copying beats recomputing), then release."""
+        if self.tier is not None and seq.table.length and (not preempted or self._copy_beats_recompute(seq.table.length)):
+            self.tier.offload(seq.key, seq.namespace, seq.tokens, seq.table)
+        self.release(seq)
+
+    def _copy_beats_recompute(self, tokens: int) -> bool:
+        c = self.tier.counters
+        if self.prefill_s_per_token is None or not c.offload_bytes or not c.restore_bytes:
+            return True  # nothing measured yet: a copy is the better bet on any device
+        copy_s = tokens * self.tier.token_bytes * (c.offload_s / c.offload_bytes + c.restore_s / c.restore_bytes)
+        return copy_s < tokens * self.prefill_s_per_token
+
+    def forget(self, seq: Sequence, family_alive: bool) -> None:
+        """seq is closed: its tier entry goes unless another of its family lives or it is persistent."""
+        if self.tier is not None and not family_alive:
+            self.tier.drop(seq.key)
 
     def reuse_prefix(self, seq: Sequence, limit: int) -> int:
         """A sequence holding no KV starts from the longest cached prefix of
@@ -58,20 +88,38 @@ class KVPolicy:
         seq.table = BlockTable(self.pool, pages[:keep], length)
         return length
 
+    def restorable(self, seq: Sequence, limit: int) -> int:
+        """Up to which position the tier can restore seq's KV (at most limit);
+        at most what seq holds already when it can add nothing."""
+        if self.tier is None:
+            return seq.table.length
+        return max(seq.table.length, self.tier.match(seq.key, seq.namespace, seq.tokens, limit))
+
+    def restore(self, seq: Sequence, end: int) -> int:
+        """Copy seq's KV up to position end from the tier (the pages must be free)."""
+        restored = self.tier.restore(seq.key, seq.table, end)
+        if restored:
+            seq.last_logits = None
+        return restored
+
     def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
-        sequences past their pin time (with soft_pins, any idle sequence with
-        a pin time), longest idle first. Whether enough are free."""
+        sequences past their pin in the retention policy's order (with
+        soft_pins, then those still inside a finite pin). Whether enough are free."""
         if self.pool.num_free >= pages:
             return True
         if self.radix is not None:
             self.radix.evict(pages - self.pool.num_free)
         now = time.monotonic()
-        ready = (s for s in idle if s.expired(now) or (soft_pins and s.expired(math.inf)))
-        for seq in sorted(ready, key=lambda s: s.idle_since):
+        idle = [s for s in idle if s.expired(math.inf)]
+        r = self.retention
+        order = sorted((s for s in idle if s.expired(now)), key=r.eviction_key)
+        if soft_pins:
+            order += sorted((s for s in idle if not s.expired(now)), key=r.soft_pin_key)
+        for seq in order:
             if self.pool.num_free >= pages:
                 break
-            self.release(seq)
+            self.evict(seq)
             if self.radix is not None:
                 self.radix.evict(pages - self.pool.num_free)
         return self.pool.num_free >= pages

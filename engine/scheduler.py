@@ -120,6 +120,9 @@ class Scheduler:
                         seq.table.truncate(len(seq.tokens) - 1)
             req.arrival = next(self._arrivals)
             req.queued_at = time.monotonic()
+            self.policy.retention.resumed(seq, req.queued_at)
+            if self.policy.tier is not None and seq.table.length < len(seq.tokens) - 1:
+                self.policy.tier.prefetch(seq.key)
             seq.busy = True
             self.waiting.append(req)
         self._wake.set()
@@ -201,6 +204,7 @@ class Scheduler:
                     self._fail(w.req, e)
                 return True
         forward = time.perf_counter() - forward_start
+        self._measure_prefill(items, forward)
         rows = iter(logits)
         self._emit(work, [next(rows) if w.item is not None else w.req.ready_logits for w in work], forward)
         c = self.counters
@@ -209,6 +213,12 @@ class Scheduler:
         c.forward_s += forward
         c.step_s += time.perf_counter() - start
         return True
+
+    def _measure_prefill(self, items: list[StepItem], forward: float) -> None:
+        tokens = sum(len(it.tokens) for it in items)
+        if tokens >= 64:  # mostly prompt work: what recomputing a token costs
+            per_token, old = forward / tokens, self.policy.prefill_s_per_token
+            self.policy.prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     # -- admission, budget, preemption ----------------------------------
 
@@ -239,8 +249,7 @@ class Scheduler:
                 work.append(self._admit(_Work(req, None, [])))
                 continue
             if not req.admitted:
-                seq = req.seq
-                self.policy.reuse_prefix(seq, len(seq.tokens) - (req.num_logits if req.is_append else 1))
+                self._find_kv(req, reserved, {x.req for x in work})
             w = self._next_chunk(req)
             if len(w.item.tokens) > budget and work:
                 continue  # waits for a step with room
@@ -254,6 +263,19 @@ class Scheduler:
             budget -= len(w.item.tokens)
             work.append(self._admit(w))
         return work
+
+    def _find_kv(self, req: Request, reserved: int, scheduled: set[Request]) -> None:
+        """Before a request (re)joins: what of its sequence's KV the prefix
+        cache and then the second tier still hold, all but the tokens it
+        must compute for their logits."""
+        seq = req.seq
+        limit = len(seq.tokens) - (req.num_logits if req.is_append else 1)
+        self.policy.reuse_prefix(seq, limit)
+        end = self.policy.restorable(seq, limit)
+        if end > seq.table.length and self._secure(reserved + seq.table.pages_needed(end - seq.table.length), req, scheduled):
+            restored = self.policy.restore(seq, end)
+            if req.preemptions == 0:
+                seq.turn.restored_tokens += restored
 
     def _next_chunk(self, req: Request) -> _Work:
         seq = req.seq
@@ -305,8 +327,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Release req's pages (published to the prefix cache); its tokens and
         progress stay, and it re-queues to recompute what the cache loses.
-        The hook where a host tier would take the KV instead."""
-        self.policy.release(req.seq)
+        Its KV goes to the second tier when copying beats recomputing."""
+        self.policy.evict(req.seq, preempted=True)
         req.ready_logits = None
         # An append's wanted logits are all recomputed: its prefix match stops before them.
         req.logits = []

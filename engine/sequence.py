@@ -7,6 +7,7 @@ along with the next delta instead of costing a forward of its own.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,12 @@ class Sequence:
     busy: bool = False  # a request is queued or running on it
     finish_reason: str | None = None  # of the last generation: "stop" or "length"
     turn: TurnStats = field(default_factory=TurnStats)
+    # The tools its last turn called and is waiting for (engine.retention);
+    # None: a final answer, or no turn yet.
+    awaiting: tuple[str, ...] | None = None
+    # Names its KV in the second tier (cache.kv_tier); the forks that work
+    # a session's turns share it with the session.
+    key: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __len__(self) -> int:
         return len(self.tokens)

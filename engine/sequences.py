@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
@@ -32,7 +33,7 @@ class Sequences:
 
     def new(
         self, namespace: str, pin_ttl: float | None, tokens: Iterable[int] = (), table: BlockTable | None = None,
-        arrival: int | None = None,
+        arrival: int | None = None, key: str | None = None,
     ) -> Sequence:
         """A new sequence; at the session limit the longest-idle one is closed to make room."""
         with self.lock:
@@ -43,6 +44,8 @@ class Sequences:
                 self.close(min(idle, key=lambda s: s.idle_since))
             seq = Sequence(table if table is not None else BlockTable(self.pool), namespace,
                            next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens))
+            if key is not None:
+                seq.key = key
             self.all.add(seq)
             return seq
 
@@ -60,10 +63,15 @@ class Sequences:
         if seq.busy:
             raise SessionBusyError("the session already has a request in flight")
 
-    def fork(self, seq: Sequence) -> Sequence:
-        """A sequence sharing every page of seq (copy-on-write) and its conversation's priority."""
+    def fork(self, seq: Sequence, for_turn: bool = False) -> Sequence:
+        """A sequence sharing every page of seq (copy-on-write) and its
+        conversation's priority. for_turn: it works seq's next turn, so it
+        shares seq's KV in the second tier, and seq's pause ends now."""
         with self.idle(seq):
-            return self.new(seq.namespace, seq.pin_ttl, seq.tokens, seq.table.fork(), seq.arrival)
+            if for_turn:
+                self.policy.retention.resumed(seq, time.monotonic())
+            return self.new(seq.namespace, seq.pin_ttl, seq.tokens, seq.table.fork(), seq.arrival,
+                            seq.key if for_turn else None)
 
     def truncate(self, seq: Sequence, n: int) -> None:
         with self.idle(seq):
@@ -84,7 +92,18 @@ class Sequences:
             into.tokens, source.tokens = source.tokens, []
             into.drafter, source.drafter = source.drafter, None
             into.last_logits, into.finish_reason, into.turn = source.last_logits, source.finish_reason, source.turn
+            into.idle_since = source.idle_since
             self.close(source)
+
+    def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
+        """The turn ended on these tool calls (none: a final answer): the retention policy pins it."""
+        with self.idle(seq):
+            self.policy.retention.end_turn(seq, tools, expected_s)
+
+    def retain(self, seq: Sequence, seconds: float | None) -> None:
+        """Pin seq's pages for `seconds` from now (None: until released or closed)."""
+        with self.idle(seq):
+            seq.pin_ttl = None if seconds is None else time.monotonic() - seq.idle_since + seconds
 
     def hand_over_drafter(self, source: Sequence, to: Sequence) -> None:
         """Move source's draft index to `to` (a fork of it, working its turn)."""
@@ -96,9 +115,10 @@ class Sequences:
             seq.drafter = drafter
 
     def park(self, seq: Sequence) -> None:
-        """Publish and release an idle sequence's pages; its tokens stay."""
+        """Move an idle sequence's KV out of the pool (to the second tier and
+        the prefix cache); its tokens stay."""
         with self.idle(seq):
-            self.policy.release(seq)
+            self.policy.evict(seq)
 
     def close(self, seq: Sequence) -> None:
         """Publish and release; a request still queued or running on it fails."""
@@ -110,6 +130,7 @@ class Sequences:
             seq.tokens.clear()
             seq.closed = True
             self.all.discard(seq)
+            self.policy.forget(seq, any(s.key == seq.key for s in self.all))
 
     def close_on_collect(self, handle: object, seq: Sequence) -> None:
         """Close seq when its handle is garbage collected (a dropped, unclosed

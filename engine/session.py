@@ -8,6 +8,7 @@ as before (tokens, pages, length).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
@@ -74,6 +75,41 @@ class Session:
     @pin_ttl.setter
     def pin_ttl(self, seconds: float | None) -> None:
         self._seq.pin_ttl = seconds
+
+    @property
+    def key(self) -> str:
+        """Names this session's KV in the second tier (shared by the forks that work its turns)."""
+        return self._seq.key
+
+    @property
+    def pinned(self) -> bool:
+        """Inside its pin: its pages give way only when nothing else can (soft pins)."""
+        seq = self._seq
+        return seq.pin_ttl is None or time.monotonic() - seq.idle_since < seq.pin_ttl
+
+    @property
+    def awaiting(self) -> tuple[str, ...] | None:
+        """The tools its last turn called (None: a final answer, or no turn yet)."""
+        return self._seq.awaiting
+
+    def end_turn(self, tools: list[str], expected_s: float | None = None) -> None:
+        """Tell the retention policy how the turn ended: on calls to these
+        tools (pinned for as long as they usually take, or for expected_s
+        when the client knows), or with none, a final answer (retained at
+        lower priority). Engine.chat calls it itself."""
+        if expected_s is not None and not expected_s >= 0:
+            raise InvalidRequestError(f"expected tool time must be >= 0 seconds, got {expected_s!r}")
+        self._sequences.end_turn(self._seq, list(tools), expected_s)
+
+    def retain(self, seconds: float | None = None) -> None:
+        """Pin this session's pages for `seconds` from now (None: until released)."""
+        if seconds is not None and not seconds >= 0:
+            raise InvalidRequestError(f"retain needs seconds >= 0 or None, got {seconds!r}")
+        self._sequences.retain(self._seq, seconds)
+
+    def release(self) -> None:
+        """Unpin: the pages may give way (to the second tier) as soon as room is needed."""
+        self._sequences.retain(self._seq, 0.0)
 
     def drafter(self) -> NGramDrafter:
         """The prompt-lookup drafter over this session's tokens (its knobs, its acceptance counts)."""
@@ -191,8 +227,10 @@ class Session:
     def fork_for_turn(self) -> "Session":
         """A fork that also takes over this session's draft index (kept in step
         lazily: whichever side ends up with it re-syncs from its tokens), so a
-        turn worked on a fork need not rebuild it. See Engine.chat."""
-        child = self.fork()
+        turn worked on a fork need not rebuild it, and shares this session's
+        KV in the second tier. It ends this session's tool pause (the
+        retention policy learns from it). See Engine.chat."""
+        child = Session(self.engine, self._sequences.fork(self._seq, for_turn=True))
         self._sequences.hand_over_drafter(self._seq, child._seq)
         return child
 
@@ -201,8 +239,9 @@ class Session:
         self._sequences.adopt(self._seq, other._seq)
 
     def park(self) -> None:
-        """Publish and release this idle session's pages; its tokens stay,
-        and its next request re-matches them from the prefix cache."""
+        """Move this idle session's KV out of the pool now (to the second
+        tier, when the engine has one, and the prefix cache); its tokens
+        stay, and its next request restores or re-matches them."""
         self._sequences.park(self._seq)
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ class TurnStats:
     prompt_tokens: int = 0  # tokens of the request (the whole rendered history for chat)
     reused_tokens: int = 0  # of those, whose KV was already held
     computed_tokens: int = 0  # tokens whose KV was computed by prefill this turn
+    restored_tokens: int = 0  # of the reused, copied back from the second KV tier
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

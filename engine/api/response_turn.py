@@ -128,6 +128,7 @@ class ResponseTurn:
             if turn.body.store:
                 tokenizer = api.tokenizer
                 retokenize_reply(tokenizer, session, stats.prompt_tokens)
+                session.end_turn([call.function.name for call in reply.tool_calls])
                 held = HeldText(self.plan.held, self.plan.delta_text + tokenizer.decode(ids))
                 messages = self.plan.messages + [reply_message(reply.content, reply.tool_calls)]
                 self.store.put(StoredResponse(response, turn.tenant, listed(turn.items), messages, turn.previous,

@@ -1,0 +1,119 @@
+"""How long an idle session keeps its KV in the pool, and who gives way first.
+
+A session whose turn ended on tool calls is awaiting those tools: its pages
+stay pinned for as long as the tools usually take (Continuum's tool-aware
+TTL): a moving estimate per tool name of the pauses observed, from the turn
+that called the tool ending to the session's next turn arriving, times a
+margin, within a floor and a cap. A client that says how long its tool will
+take is believed, within the cap. Past the pin the session is offloadable.
+A session whose turn ended with a final answer is retained at lower
+priority: pinned for final_ttl (default 0) and, among the offloadable, the
+first to go.
+
+Order under memory pressure (engine.kv_policy, engine.scheduler): unused
+cached prefixes (LRU); offloadable sessions, final answers before sessions
+awaiting a tool, then longest idle, then the smallest reuse value (fewest
+tokens held); then preemption of running work; last the pinned ones
+(soft pins), the soonest to expire first.
+
+"lru" is the ablation: no pins and no tool awareness; idle sessions give
+way by idle time alone.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+MODES = ("tool", "lru")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    mode: str = "tool"
+    tool_ttl_default: float = 10.0  # seconds, for a tool never observed
+    tool_ttl_floor: float = 1.0
+    tool_ttl_cap: float = 300.0
+    margin: float = 1.5  # pin for this many times the estimated pause
+    final_ttl: float = 0.0  # a session whose turn ended with a final answer
+    smoothing: float = 0.3  # weight of a new observation in the moving estimate
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"retention mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if not 0 <= self.tool_ttl_floor <= self.tool_ttl_cap:
+            raise ValueError("need 0 <= tool_ttl_floor <= tool_ttl_cap")
+        for name in ("tool_ttl_default", "margin", "final_ttl"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError("smoothing must be in (0, 1]")
+
+
+class Retention:
+    def __init__(self, config: RetentionConfig | None = None):
+        self.config = config or RetentionConfig()
+        self._pause_s: dict[str, float] = {}  # tool name -> moving estimate of its pause
+        self._observed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def lru(self) -> bool:
+        return self.config.mode == "lru"
+
+    def _clamp(self, seconds: float) -> float:
+        c = self.config
+        return min(max(seconds, c.tool_ttl_floor), c.tool_ttl_cap)
+
+    def tool_ttl(self, tools: tuple[str, ...]) -> float:
+        """The pin for a session awaiting these tools (run together: the longest)."""
+        c = self.config
+        with self._lock:
+            pauses = [self._pause_s.get(t, c.tool_ttl_default) for t in tools]
+        return self._clamp(max(pauses, default=c.tool_ttl_default) * c.margin)
+
+    def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
+        """A turn on seq ended: awaiting these tools, or (none) a final answer."""
+        seq.awaiting = tuple(tools) or None
+        if self.lru:
+            seq.pin_ttl = 0.0
+        elif not tools:
+            seq.pin_ttl = self.config.final_ttl
+        elif expected_s is not None:
+            seq.pin_ttl = self._clamp(expected_s * self.config.margin)
+        else:
+            seq.pin_ttl = self.tool_ttl(seq.awaiting)
+
+    def resumed(self, seq: Sequence, now: float) -> None:
+        """seq's next request arrived: the pause is an observation of its tools."""
+        tools, seq.awaiting = seq.awaiting, None
+        if not tools or self.lru:
+            return
+        pause = min(now - seq.idle_since, self.config.tool_ttl_cap)
+        a = self.config.smoothing
+        with self._lock:
+            for t in tools:
+                old = self._pause_s.get(t)
+                self._pause_s[t] = pause if old is None else (1 - a) * old + a * pause
+                self._observed[t] = self._observed.get(t, 0) + 1
+
+    def eviction_key(self, seq: Sequence) -> tuple:
+        """Sort key of offloadable sessions: the first gives way first."""
+        if self.lru:
+            return (seq.idle_since,)
+        return (seq.awaiting is not None, seq.idle_since, seq.table.length)
+
+    def soft_pin_key(self, seq: Sequence) -> tuple:
+        """Sort key of pinned idle sessions, when nothing else is left: the soonest to expire first."""
+        if seq.pin_ttl is None:
+            return (math.inf,)
+        return (seq.idle_since + seq.pin_ttl,)
+
+    def estimates(self) -> dict[str, dict]:
+        """Per tool: the pause estimate (seconds), the pin it gives, observations."""
+        with self._lock:
+            items = list(self._pause_s.items())
+            observed = dict(self._observed)
+        return {t: {"pause_s": p, "pin_s": self.tool_ttl((t,)), "observed": observed[t]} for t, p in items}

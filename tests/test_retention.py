@@ -1,0 +1,156 @@
+"""The retention policy: pins learned per tool, the order in which idle
+sessions give way, and a hypothesis-driven workload over a small pool with
+the second tier that never leaks a page, never serves one session another's
+KV and never evicts a pinned session while lower-priority pages exist."""
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import Engine, InvalidRequestError
+from engine.retention import Retention, RetentionConfig
+from tests.test_kv_tier import PS, ckpt, ids, reference  # noqa: F401 (fixtures)
+
+
+class _Seq:
+    """What the policy reads of a sequence."""
+
+    def __init__(self):
+        self.awaiting, self.pin_ttl, self.idle_since = None, None, time.monotonic()
+
+
+def test_pin_follows_the_observed_pause_of_each_tool():
+    r = Retention(RetentionConfig(tool_ttl_default=10.0, tool_ttl_floor=1.0, tool_ttl_cap=60.0, margin=1.5,
+                                  smoothing=0.5))
+    seq = _Seq()
+    r.end_turn(seq, ["search"])
+    assert seq.awaiting == ("search",) and seq.pin_ttl == 15.0  # never seen: the default
+    seq.idle_since = time.monotonic() - 4.0
+    r.resumed(seq, time.monotonic())
+    assert seq.awaiting is None
+    assert r.estimates()["search"]["pause_s"] == pytest.approx(4.0, abs=0.05)
+    r.end_turn(seq, ["search"])
+    assert seq.pin_ttl == pytest.approx(6.0, abs=0.1)
+    seq.idle_since = time.monotonic() - 8.0
+    r.resumed(seq, time.monotonic())  # moving estimate: half old, half new
+    assert r.estimates()["search"]["pause_s"] == pytest.approx(6.0, abs=0.1)
+    r.end_turn(seq, ["search", "compile"])  # run together: the slower one's pin
+    assert seq.pin_ttl == 15.0
+    seq.idle_since = time.monotonic() - 1000.0
+    r.resumed(seq, time.monotonic())  # capped: a session left alone is not a tool's duration
+    assert r.estimates()["compile"]["pause_s"] == 60.0
+    r.end_turn(seq, ["compile"])
+    assert seq.pin_ttl == 60.0
+    r.end_turn(seq, ["x"], expected_s=0.1)  # the client's word, within the floor
+    assert seq.pin_ttl == 1.0
+    r.end_turn(seq, [])  # a final answer
+    assert seq.awaiting is None and seq.pin_ttl == 0.0
+
+
+def test_lru_mode_pins_nothing_and_learns_nothing():
+    r = Retention(RetentionConfig(mode="lru"))
+    seq = _Seq()
+    r.end_turn(seq, ["search"])
+    assert seq.pin_ttl == 0.0
+    seq.idle_since -= 5
+    r.resumed(seq, time.monotonic())
+    assert r.estimates() == {}
+
+
+def test_bad_retention_config_is_refused():
+    for bad in (dict(mode="fifo"), dict(tool_ttl_floor=5, tool_ttl_cap=1), dict(margin=-1), dict(smoothing=0)):
+        with pytest.raises(ValueError):
+            RetentionConfig(**bad)
+
+
+def test_idle_sessions_give_way_in_policy_order(reference):
+    """Final answers first, then sessions whose tool pin ran out (longest idle
+    first); a session inside its pin only when nothing else is left."""
+    engine = Engine(reference.model, None, page_size=PS, num_pages=40, retention=RetentionConfig(tool_ttl_floor=0.0))
+    final, tool, pinned = (engine.session() for _ in range(3))
+    for i, s in enumerate((tool, final, pinned)):
+        s.append(ids(80, 20 + i))  # 10 pages each; 10 free
+    tool.end_turn(["search"], expected_s=0.0)
+    final.end_turn([])
+    pinned.end_turn(["build"], expected_s=100.0)
+    assert engine.scheduler.make_room(20)  # 10 more: the final answer goes, though the tool session idled longer
+    assert not final.table.pages and tool.table.pages and pinned.table.pages
+    assert engine.scheduler.make_room(30)
+    assert not tool.table.pages and pinned.table.pages
+    assert not engine.scheduler.make_room(40)  # the pinned one holds
+    assert pinned.table.pages
+    assert engine.scheduler.make_room(40, soft_pins=True)
+    assert not pinned.table.pages
+    with pytest.raises(InvalidRequestError):
+        pinned.end_turn(["x"], expected_s=-1)
+    for s in (final, tool, pinned):
+        s.close()
+
+
+def test_retain_and_release(reference):
+    engine = Engine(reference.model, None, page_size=PS, num_pages=20)
+    s = engine.session()
+    s.append(ids(80, 30))
+    s.release()
+    assert engine.scheduler.make_room(20) and not s.table.pages
+    s.append(ids(8, 31))  # restored from the tier, the new tokens computed
+    s.retain(None)
+    assert not engine.scheduler.make_room(20, soft_pins=True) and s.table.pages  # pinned for good
+    s.retain(0.0)
+    assert engine.scheduler.make_room(20)
+    s.close()
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 3), st.integers(1, 40)),
+        st.tuples(st.just("end_tool"), st.integers(0, 3), st.sampled_from([0.0, 50.0])),
+        st.tuples(st.just("end_final"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("release"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("room"), st.integers(0, 3), st.integers(1, 24)),
+    ),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops)
+def test_retention_workload_keeps_every_invariant(reference, script):
+    engine = Engine(reference.model, None, page_size=PS, num_pages=24, retention=RetentionConfig(tool_ttl_floor=0.0),
+                    kv_offload_bytes=60 * reference.pool.token_bytes)
+    sessions = [engine.session() for _ in range(4)]
+    for step, (op, i, arg) in enumerate(script):
+        s = sessions[i]
+        lower = [x for x in sessions if x.table.pages and not x.pinned]
+        pinned = [x for x in sessions if x.table.pages and x.pinned]
+        try:
+            if op == "append":
+                s.append(ids(arg, step))
+            elif op == "end_tool":
+                s.end_turn(["tool"], expected_s=arg)
+            elif op == "end_final":
+                s.end_turn([])
+            elif op == "release":
+                s.release()
+            else:
+                engine.scheduler.make_room(arg)
+        except Exception as e:  # only capacity: the session is as before
+            assert type(e).__name__ in ("KVCapacityError", "PoolTooSmallError"), e
+        lost_pinned = [x for x in pinned if x is not s and not x.table.pages]
+        if lost_pinned:  # a pin gave way: nothing of lower priority may still hold pages
+            assert all(not x.table.pages for x in lower if x is not s)
+        engine.pool.check()
+        engine.tier.check()
+    for i, s in enumerate(sessions):  # each session's KV is its own
+        if len(s) == 0:
+            continue
+        probe = ids(3, 1000 + i)
+        got = s.append(probe, all_logits=True)
+        with reference.session() as r:
+            want = r.append(s.tokens[: len(s) - 3] + probe, all_logits=True)[-3:]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    for s in sessions:
+        s.close()
+    assert engine.tier.host_used == 0
