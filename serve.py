@@ -11,7 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
+from cache.kv_codec import CODECS
+from engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTES
 from engine.limits import Limits
+from engine.retention import MODES, RetentionConfig
 
 log = logging.getLogger("agentkv.serve")
 
@@ -47,6 +50,29 @@ def serve(argv: list[str]) -> None:
                         help="live sessions; past it the longest idle one is closed")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
+    kv = parser.add_argument_group("KV tiers", "what stays in the pool between turns, and where the rest goes")
+    kv.add_argument("--kv-retention", choices=MODES, default="tool",
+                    help="tool: a session awaiting a tool keeps its KV for as long as that tool usually takes "
+                         "(learned per tool name), final answers give way first; lru: idle sessions give way by "
+                         "idle time alone (the ablation)")
+    r = RetentionConfig()
+    kv.add_argument("--tool-ttl-default", type=float, default=r.tool_ttl_default,
+                    help="seconds a session awaiting a tool never seen stays pinned")
+    kv.add_argument("--tool-ttl-floor", type=float, default=r.tool_ttl_floor, help="shortest tool pin, seconds")
+    kv.add_argument("--tool-ttl-cap", type=float, default=r.tool_ttl_cap, help="longest tool pin, seconds")
+    kv.add_argument("--tool-ttl-margin", type=float, default=r.margin,
+                    help="a tool pin lasts this many times the tool's estimated pause")
+    kv.add_argument("--kv-offload-gb", type=float, default=DEFAULT_KV_OFFLOAD_BYTES / 2**30,
+                    help="host memory for KV that leaves the pool (0: none; evicted KV is dropped)")
+    kv.add_argument("--kv-offload-dir", default=None, help="spill the host tier's least recently used KV here")
+    kv.add_argument("--kv-offload-disk-gb", type=float, default=DEFAULT_KV_OFFLOAD_DISK_BYTES / 2**30,
+                    help="disk for spilled KV; past it the least recently used is dropped")
+    kv.add_argument("--state-dir", default=None,
+                    help="keep named sessions across restarts (clean or kill -9, up to each one's last completed "
+                         "turn): their tokens here, their KV written through to the disk tier (by default "
+                         "STATE_DIR/kv); on start they are verified and resumed")
+    kv.add_argument("--kv-offload-codec", choices=CODECS, default="pool",
+                    help="pool: KV at the pool's dtype (bit-exact); int8: a quarter of fp32's bytes, lossy")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -58,16 +84,30 @@ def serve(argv: list[str]) -> None:
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
     log.info("loading %s", args.model or "the embedded default model")
     try:
+        retention = RetentionConfig(mode=args.kv_retention, tool_ttl_default=args.tool_ttl_default,
+                                    tool_ttl_floor=args.tool_ttl_floor, tool_ttl_cap=args.tool_ttl_cap,
+                                    margin=args.tool_ttl_margin)
         limits = Limits(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=min(args.prefill_chunk, args.max_num_batched_tokens), max_queue=args.max_queue, max_sessions=args.max_sessions,
                         session_idle_timeout=args.session_idle_timeout)
     except ValueError as e:
         parser.error(str(e))
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                                    constrain_auto=not args.no_constrain_auto, limits=limits)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+        constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention,
+        kv_offload_bytes=int(args.kv_offload_gb * 2**30),
+        kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
+        kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
-    uvicorn.run(create_app(engine, name, args.max_stored_responses), host=args.host, port=args.port)
+    if args.state_dir and engine.tier is None:
+        parser.error("--state-dir keeps KV in the second tier: --kv-offload-gb must be > 0")
+    app = create_app(engine, name, args.max_stored_responses, args.state_dir)
+    if args.state_dir:
+        log.info("resumed %d saved sessions from %s", len(app.state.api.sessions), args.state_dir)
+        for line in app.state.api.sessions.reports():
+            log.warning("%s", line)
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 def main(argv: list[str]) -> None:

@@ -355,10 +355,10 @@ class KVTier:
         self._clock += 1
         e.used = self._clock
 
-    def _report(self, message: str) -> None:
+    def _report(self, message: str, corrupt: bool = True) -> None:
         log.warning(message)
         self.reports.append(message)
-        self.counters.corrupt += 1
+        self.counters.corrupt += corrupt
 
     # -- disk ------------------------------------------------------------
 
@@ -424,7 +424,7 @@ class KVTier:
             e.persistent = True
             if not self._write(e):
                 e.persistent = False
-                self._report(f"session KV {key}: the disk tier is full; it is not persisted")
+                self._report(f"session KV {key}: the disk tier is full; it is not persisted", corrupt=False)
                 return False
             return True
 
@@ -466,6 +466,10 @@ class KVTier:
                 self._touch(e)
                 loaded.append(key)
         return loaded
+
+    def persistent_keys(self) -> list[str]:
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.persistent]
 
     def check(self) -> None:
         """Raise PageAccountingError unless the byte counts match the pieces."""

@@ -89,6 +89,8 @@ class Engine:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.retention = policy.retention
+        # KV persisted by an earlier run (verified; what fails is reported and recomputes).
+        self.persisted_keys = self.tier.load() if self.tier is not None else []
         self.prefix_match = prefix_match
         # Plain LRU pins nothing: every idle session may give way at once.
         self.pin_ttl = 0.0 if config.mode == "lru" else pin_ttl
@@ -138,12 +140,15 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tokenizer, **kwargs)
 
-    def session(self, namespace: str = "default", pin_ttl: float | None | str = "default") -> Session:
+    def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *,
+                tokens: list[int] = (), key: str | None = None) -> Session:
         """A persistent conversation in namespace (a tenant's cache salt: no
         KV is shared across namespaces). pin_ttl: seconds its pages stay
-        pinned while idle (None: always), default the engine's."""
+        pinned while idle (None: always), default the engine's. A session
+        resumed after a restart passes its tokens (held, not computed: its
+        next request restores what the second tier has under key)."""
         ttl = self.pin_ttl if pin_ttl == "default" else pin_ttl
-        return Session(self, self.sequences.new(namespace, ttl))
+        return Session(self, self.sequences.new(namespace, ttl, tokens, key=key))
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters and page usage."""

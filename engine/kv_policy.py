@@ -67,6 +67,15 @@ class KVPolicy:
         copy_s = tokens * self.tier.token_bytes * (c.offload_s / c.offload_bytes + c.restore_s / c.restore_bytes)
         return copy_s < tokens * self.prefill_s_per_token
 
+    def persist(self, seq: Sequence) -> bool:
+        """Write seq's KV through to the tier's disk (kept across restarts)."""
+        tier = self.tier
+        if tier is None or tier.spill_dir is None:
+            return False
+        if seq.table.length and not tier.offload(seq.key, seq.namespace, seq.tokens, seq.table):
+            return False
+        return tier.persist(seq.key)
+
     def forget(self, seq: Sequence, family_alive: bool) -> None:
         """seq is closed: its tier entry goes unless another of its family lives or it is persistent."""
         if self.tier is not None and not family_alive:

@@ -114,6 +114,11 @@ class Sequences:
         with self.lock:
             seq.drafter = drafter
 
+    def persist(self, seq: Sequence) -> bool:
+        """Copy seq's KV to the second tier and keep it there on disk across restarts."""
+        with self.idle(seq):
+            return self.policy.persist(seq)
+
     def park(self, seq: Sequence) -> None:
         """Move an idle sequence's KV out of the pool (to the second tier and
         the prefix cache); its tokens stay."""

@@ -111,6 +111,24 @@ class Session:
         """Unpin: the pages may give way (to the second tier) as soon as room is needed."""
         self._sequences.retain(self._seq, 0.0)
 
+    def save(self) -> bool:
+        """Write this session's KV through to the second tier's disk, to be
+        resumed after a restart (Engine.session with its tokens and key).
+        False if the engine has no disk tier or it is full."""
+        return self._sequences.persist(self._seq)
+
+    def forget_saved(self) -> None:
+        """Remove what save wrote."""
+        if self.engine.tier is not None:
+            self.engine.tier.drop(self._seq.key, persistent=True)
+
+    def prefetch(self) -> None:
+        """Bring this session's KV on disk back to host memory now (in the
+        background), so that its next request restores without reading disk."""
+        tier = self.engine.tier
+        if tier is not None:
+            tier.prefetch(self._seq.key)
+
     def drafter(self) -> NGramDrafter:
         """The prompt-lookup drafter over this session's tokens (its knobs, its acceptance counts)."""
         return self._seq.draft_index()

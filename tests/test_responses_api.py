@@ -166,16 +166,26 @@ def test_evicted_response_continues_from_what_is_cached(server):
     items = tool_results(root, 0) + [ask("Doha")]
     live = server.respond(items, previous=root.id, key=key, store=False)  # stored, it would hold the history's pages
     session = server.session(root.id, key)
-    # The engine's own policy: an idle session past its pin time is parked, unused cache evicted.
+    # The engine's own policy: an idle session past its pin time leaves the
+    # pool (its KV to the second tier), unused cache evicted.
     session.pin_ttl = 0.0
     with server.engine.lock:
         server.engine.scheduler.make_room(server.engine.pool.num_pages)
     assert not session.table.pages
+    restored = server.engine.tier.counters.restored_tokens
     evicted = server.respond(items, previous=root.id, key=key, store=False)
     assert outputs(evicted) == outputs(live)
     assert evicted.usage.input_tokens == live.usage.input_tokens
-    assert evicted.usage.input_tokens_details.cached_tokens == 0
-    assert server.engine.stats[-1].computed_tokens == evicted.usage.input_tokens
+    cached = evicted.usage.input_tokens_details.cached_tokens
+    assert cached == server.engine.tier.counters.restored_tokens - restored > 0  # all of it from the tier
+    assert server.engine.stats[-1].computed_tokens == evicted.usage.input_tokens - cached
+    # Without the tier the same eviction loses it: everything is recomputed.
+    session.park()
+    with server.engine.lock:
+        server.engine.scheduler.make_room(server.engine.pool.num_pages)
+        server.engine.tier.drop(session.key)
+    lost = server.respond(items, previous=root.id, key=key, store=False)
+    assert outputs(lost) == outputs(live) and lost.usage.input_tokens_details.cached_tokens == 0
     # Parked again: the history the last continuation computed is matched in the prefix cache.
     with server.engine.lock:
         session.park()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from engine.api import chat, completions, responses, session_routes
 from engine.api.errors import install_error_handlers
 from engine.api.metrics import RequestCounter
+from engine.api.response_files import ResponseFiles
 from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from engine.api.schemas import ModelCard, ModelList
 from engine.api.state import ApiState
@@ -29,9 +31,14 @@ if TYPE_CHECKING:
 DRAIN_TIMEOUT_S = 30.0
 
 
-def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DEFAULT_MAX_RESPONSES) -> FastAPI:
-    api = ApiState.for_engine(engine, model_name)
-    store = ResponseStore(max_stored_responses)
+def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+               state_dir: str | Path | None = None) -> FastAPI:
+    """state_dir: keep named sessions across restarts (their KV in the
+    engine's disk tier, which must be under it or elsewhere on disk)."""
+    api = ApiState.for_engine(engine, model_name, state_dir)
+    store = ResponseStore(max_stored_responses, ResponseFiles(state_dir) if state_dir is not None else None)
+    if state_dir is not None:
+        _resume(engine, api, store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,6 +79,15 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
         return PlainTextResponse(api.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _resume(engine: "Engine", api: ApiState, store: ResponseStore) -> None:
+    """Take up saved sessions and responses; saved KV neither claims is removed."""
+    claimed = api.sessions.resume() | store.resume(engine)
+    tier = engine.tier
+    for key in tier.persistent_keys() if tier is not None else []:
+        if key not in claimed:
+            tier.drop(key, persistent=True)
 
 
 async def _drain(api: ApiState, store: ResponseStore) -> None:

@@ -15,6 +15,13 @@ class HeldText:
     def __post_init__(self) -> None:
         object.__setattr__(self, "end", (self.parent.end if self.parent else 0) + len(self.piece))
 
+    def text(self) -> str:
+        pieces, node = [], self
+        while node is not None:
+            pieces.append(node.piece)
+            node = node.parent
+        return "".join(reversed(pieces))
+
     def is_prefix_of(self, text: str) -> bool:
         if len(text) < self.end:
             return False

@@ -28,6 +28,7 @@ TOKEN_COUNTERS = {
     "prompt_tokens": ("agentkv_prompt_tokens_total", "Prompt tokens of finished turns."),
     "reused_tokens": ("agentkv_cached_tokens_total", "Prompt tokens whose KV was reused, not computed."),
     "computed_tokens": ("agentkv_computed_tokens_total", "Tokens whose KV was computed by prefill."),
+    "restored_tokens": ("agentkv_kv_restored_tokens_total", "Prompt tokens whose KV came back from the second tier."),
     "generated_tokens": ("agentkv_generated_tokens_total", "Tokens generated."),
     "drafted_tokens": ("agentkv_spec_drafted_tokens_total", "Speculative draft tokens verified."),
     "accepted_tokens": ("agentkv_spec_accepted_tokens_total", "Speculative draft tokens accepted."),
@@ -99,6 +100,30 @@ class Metrics:
         out += _labelled("agentkv_requests_failed_total", "counter", "Engine requests that failed (rolled back).", "", c.failed)
         out += _labelled("agentkv_step_seconds_total", "counter", "Wall time of steps that ran work.", "", c.step_s)
         out += _labelled("agentkv_forward_seconds_total", "counter", "Of that, time in the model's forward.", "", c.forward_s)
+        return out + self._tier_lines()
+
+    def _tier_lines(self) -> list[str]:
+        tier = self.engine.tier
+        if tier is None:
+            return []
+        c = tier.counters
+        out = []
+        for name, value, help_text in (
+            ("agentkv_kv_offloads_total", c.offloads, "Sequences whose KV moved to the second tier."),
+            ("agentkv_kv_offload_bytes_total", c.offload_bytes, "Bytes of KV copied to the second tier."),
+            ("agentkv_kv_offload_seconds_total", c.offload_s, "Time spent copying KV to the second tier."),
+            ("agentkv_kv_restores_total", c.restores, "Restores of KV from the second tier."),
+            ("agentkv_kv_restore_bytes_total", c.restore_bytes, "Bytes of KV copied back from the second tier."),
+            ("agentkv_kv_restore_seconds_total", c.restore_s, "Time spent restoring KV from the second tier."),
+            ("agentkv_kv_spilled_bytes_total", c.spilled_bytes, "Bytes of KV written to the disk tier."),
+            ("agentkv_kv_disk_read_bytes_total", c.disk_read_bytes, "Bytes of KV read back from the disk tier."),
+            ("agentkv_kv_tier_refused_total", c.refused, "Offloads the second tier had no room for."),
+            ("agentkv_kv_tier_dropped_total", c.dropped, "Second-tier entries given up for room."),
+            ("agentkv_kv_tier_corrupt_total", c.corrupt, "Second-tier entries that failed verification."),
+        ):
+            out += _labelled(name, "counter", help_text, "", value)
+        out += _gauge("agentkv_kv_tier_host_bytes", "Bytes of KV held in host memory.", tier.host_used)
+        out += _gauge("agentkv_kv_tier_disk_bytes", "Bytes of KV held on disk.", tier.disk_used)
         return out
 
 

@@ -14,9 +14,14 @@ Retention: the store keeps at most `max_responses`; past that the least
 recently used one expires (its session closes, its id answers 404). The
 responses continued from it keep working: each holds its own session, and the
 conversation's messages stay reachable through them.
+
+With a state directory (engine.api.response_files) each stored response is
+saved as it is stored, and a new store resumes what an earlier one saved.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,10 +29,14 @@ from typing import TYPE_CHECKING
 
 from engine.api.errors import not_found
 from engine.api.held_text import HeldText
+from engine.api.response_files import ResponseFiles, SavedResponse
 from engine.api.responses_schemas import Response
+from engine.errors import EngineError
 
 if TYPE_CHECKING:
-    from engine import Session
+    from engine import Engine, Session
+
+log = logging.getLogger("agentkv.responses")
 
 
 @dataclass(eq=False)
@@ -75,14 +84,55 @@ DEFAULT_MAX_RESPONSES = 4096
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES) -> None:
+    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, files: ResponseFiles | None = None) -> None:
         if max_responses < 1:
             raise ValueError("max_responses must be at least 1")
         self.max_responses = max_responses
+        self.files = files
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
         self._closed = False
         self._running = 0
+        self._order = itertools.count()
+
+    def resume(self, engine: "Engine") -> set[str]:
+        """Take up the responses an earlier server saved; the tier keys they claim."""
+        if self.files is None:
+            return set()
+        saved = self.files.load(engine.model.cfg.vocab_size)
+        self._order = itertools.count(saved[-1].order + 1 if saved else 0)  # what is saved next is newer
+        for s in saved[-self.max_responses:]:
+            session = engine.session(s.tenant, tokens=s.tokens, key=s.key)
+            entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
+                                   None, HeldText(None, s.held_text), session)
+            with self._lock:
+                self._entries[entry.id] = entry
+        for s in saved[: -self.max_responses]:
+            self.files.delete(s.response["id"])
+        with self._lock:
+            return {e.session.key for e in self._entries.values()}
+
+    def _save(self, entry: StoredResponse) -> None:
+        if self.files is None:
+            return
+        s = entry.session
+        try:
+            s.save()
+            self.files.save(SavedResponse(entry.response.model_dump(mode="json"), entry.tenant, entry.input_items,
+                                          entry.conversation(), entry.held.text(), s.key, s.tokens, next(self._order)))
+        except (EngineError, OSError) as e:  # it serves on; only its saved copy is missing
+            log.warning("response %s was not saved: %s", entry.id, e)
+
+    def _forget(self, entry: StoredResponse) -> None:
+        """An expired or deleted response: its file goes, and its KV unless another stored response shares it."""
+        entry.close()
+        if self.files is None:
+            return
+        self.files.delete(entry.id)
+        with self._lock:
+            shared = any(e.session.key == entry.session.key for e in self._entries.values())
+        if not shared:
+            entry.session.forget_saved()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -122,15 +172,17 @@ class ResponseStore:
                 while len(self._entries) > self.max_responses:
                     expired.append(self._entries.popitem(last=False)[1])
         if closed:  # the server is shutting down: nobody can continue it
-            expired.append(entry)
+            entry.close()
+        else:
+            self._save(entry)
         for old in expired:
-            old.close()
+            self._forget(old)
 
     def delete(self, response_id: str, tenant: str) -> None:
         with self._lock:
             entry = self._lookup(response_id, tenant)
             del self._entries[response_id]
-        entry.close()
+        self._forget(entry)
 
     def close_all(self) -> None:
         with self._lock:

@@ -197,6 +197,12 @@ class TruncateRequest(RequestBody):
     length: Annotated[int, Field(ge=0)]
 
 
+class RetainRequest(RequestBody):
+    # Seconds from now the session's KV stays in the pool (a client that
+    # knows how long its tool takes says so); null: until released.
+    seconds: Annotated[float, Field(ge=0, le=86400)] | None = None
+
+
 # Responses.
 
 
@@ -326,4 +332,13 @@ class SessionInfo(ResponseBody):
     length: int  # tokens whose KV the session holds (or will compute with its next step)
     pages: int
     busy: bool
+    pinned: bool  # its KV stays in the pool unless nothing else can give way
+    awaiting_tools: list[str] | None  # the tools its last turn called; null after a final answer
+    tier_tokens: int  # tokens of its KV held in the second tier (host memory or disk)
     turns: list[TurnRecord]
+
+
+class SessionList(ResponseBody):
+    object: Literal["list"] = "list"
+    data: list[SessionInfo]
+    reports: list[str]  # what resuming saved sessions found wrong: those sessions recompute

@@ -10,6 +10,7 @@ needs no lease.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -17,9 +18,13 @@ from typing import TYPE_CHECKING
 
 from engine.api.errors import APIError, not_found
 from engine.api.schemas import SessionInfo, TurnRecord
+from engine.api.session_files import SavedSession, SessionFiles
+from engine.errors import EngineError
 
 if TYPE_CHECKING:
     from engine import Engine, Session
+
+log = logging.getLogger("agentkv.sessions")
 
 
 @dataclass(eq=False)
@@ -49,9 +54,11 @@ class Lease:
 
     def release(self) -> None:
         with self.registry._lock:
-            if not self._released:
-                self._released = True
-                self._entry.busy = False
+            if self._released:
+                return
+            self._released = True
+            self._entry.busy = False
+        self.registry.save(self.session_id, self._entry)
 
     def __enter__(self) -> "Lease":
         return self
@@ -61,11 +68,52 @@ class Lease:
 
 
 class SessionRegistry:
-    def __init__(self, engine: "Engine", namespace: str = "default"):
+    def __init__(self, engine: "Engine", namespace: str = "default", files: SessionFiles | None = None):
         self.engine = engine
         self.namespace = namespace
+        self.files = files
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+
+    def resume(self) -> set[str]:
+        """Take up the sessions an earlier server saved (tokens held, KV
+        restored on their next turn from what the disk tier verified).
+        Returns the tier keys they claim; what cannot be resumed is in reports()."""
+        if self.files is None:
+            return set()
+        saved = self.files.load(self.engine.model.cfg.vocab_size)
+        for s in saved:
+            session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
+            with self._lock:
+                self._entries[s.session_id] = _Entry(session, list(s.turns))
+        return {s.key for s in saved}
+
+    def save(self, session_id: str, entry: _Entry) -> None:
+        """Persist the session (with a state directory): KV first, then the file naming it."""
+        if self.files is None or entry.session.closed:
+            return
+        s = entry.session
+        try:
+            s.save()
+            self.files.save(SavedSession(session_id, s.namespace, s.key, s.tokens, list(entry.turns)))
+        except (EngineError, OSError) as e:  # the session serves on; only its saved copy is stale
+            log.warning("session %s was not saved: %s", session_id, e)
+
+    def reports(self) -> list[str]:
+        """What resuming saved state found wrong (unreadable files, KV that failed verification)."""
+        tier = self.engine.tier
+        return (self.files.reports if self.files else []) + (list(tier.reports) if tier is not None else [])
+
+    def list(self) -> list[SessionInfo]:
+        with self._lock:
+            ids = list(self._entries)
+        out = []
+        for session_id in ids:
+            try:
+                out.append(self.info(session_id))
+            except APIError:  # closed meanwhile
+                pass
+        return out
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -132,12 +180,16 @@ class SessionRegistry:
         new_id = "sess_" + secrets.token_hex(12)
         with self._lock:
             self._entries[new_id] = child
+        self.save(new_id, child)
         return new_id
 
     def delete(self, session_id: str) -> None:
         with self.lease(session_id) as lease:
             with self._lock:
                 del self._entries[session_id]
+            if self.files is not None:
+                self.files.delete(session_id)
+                lease.session.forget_saved()
             lease.session.close()
 
     def info(self, session_id: str) -> SessionInfo:
@@ -146,8 +198,11 @@ class SessionRegistry:
         if entry is None:
             raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
         s = entry.session
+        tier = self.engine.tier
         return SessionInfo(
-            id=session_id, length=len(s), pages=len(s.table.held_pages()), busy=entry.busy, turns=list(entry.turns)
+            id=session_id, length=len(s), pages=len(s.table.held_pages()), busy=entry.busy, pinned=s.pinned,
+            awaiting_tools=list(s.awaiting) if s.awaiting else None,
+            tier_tokens=tier.tokens_held(s.key) if tier is not None else 0, turns=list(entry.turns),
         )
 
     def busy_count(self) -> int:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api.errors import APIError, not_found
 from engine.api.metrics import Metrics
+from engine.api.session_files import SessionFiles
 from engine.api.sessions import SessionRegistry
 from engine.structured import tool_call_format
 
@@ -25,8 +27,9 @@ class ApiState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def for_engine(cls, engine: "Engine", model_name: str) -> "ApiState":
-        sessions = SessionRegistry(engine)
+    def for_engine(cls, engine: "Engine", model_name: str, state_dir: str | Path | None = None) -> "ApiState":
+        """With a state directory, named sessions are saved there (SessionRegistry.resume takes up earlier ones)."""
+        sessions = SessionRegistry(engine, files=SessionFiles(state_dir) if state_dir is not None else None)
         return cls(engine, model_name, sessions, Metrics(engine, sessions, model_name))
 
     @property

@@ -1,0 +1,64 @@
+"""Stored Responses on disk (serve.py --state-dir), so that a
+previous_response_id made before a restart still continues after it.
+
+One record per stored response under <state>/responses
+(engine.api.json_files): the response, its tenant, its input items, the
+whole conversation up to its reply (so a record stands alone: an expired
+predecessor takes nothing with it), the text its session's tokens spell,
+and the session's tokens and tier key. Written once the session's KV was
+written through to the disk tier.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.api.json_files import JsonFiles
+from engine.api.session_files import check_tokens
+
+RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
+
+
+@dataclass(frozen=True)
+class SavedResponse:
+    response: dict
+    tenant: str
+    input_items: list[dict]
+    conversation: list[dict]
+    held_text: str
+    key: str
+    tokens: list[int]
+    order: int  # least recently used first on reload
+
+
+def _name(response_id: str) -> str:
+    if not RESPONSE_ID.match(response_id):
+        raise ValueError(f"not a response id: {response_id!r}")
+    return response_id
+
+
+class ResponseFiles:
+    def __init__(self, root: str | Path):
+        self.files = JsonFiles(root, "response")
+
+    @property
+    def reports(self) -> list[str]:
+        return self.files.reports
+
+    def save(self, s: SavedResponse) -> None:
+        self.files.write(_name(s.response["id"]), {
+            "response": s.response, "tenant": s.tenant, "input_items": s.input_items,
+            "conversation": s.conversation, "held_text": s.held_text, "key": s.key, "tokens": s.tokens,
+            "order": s.order})
+
+    def delete(self, response_id: str) -> None:
+        self.files.delete(_name(response_id))
+
+    def load(self, vocab_size: int) -> list[SavedResponse]:
+        def parse(b: dict) -> SavedResponse:
+            _name(b["response"]["id"])
+            return SavedResponse(b["response"], str(b["tenant"]), list(b["input_items"]), list(b["conversation"]),
+                                 str(b["held_text"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
+                                 int(b["order"]))
+        return sorted(self.files.read_all(parse), key=lambda s: s.order)

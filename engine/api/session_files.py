@@ -1,0 +1,59 @@
+"""Named sessions on disk (serve.py --state-dir): what a restart needs to
+resume each one.
+
+One record per session under <state>/sessions (engine.api.json_files): its
+id, namespace, tier key, tokens and turn records, replaced after every
+change a lease covered, and only after the session's KV was written through
+to the second tier's disk (cache.kv_tier), so a kill -9 at any moment leaves
+the last completed state of each session, whose KV is on disk or, where it
+is not, is recomputed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.api.json_files import JsonFiles
+from engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    session_id: str
+    namespace: str
+    key: str
+    tokens: list[int]
+    turns: list[TurnRecord]
+
+
+def check_tokens(tokens: object, vocab_size: int) -> list[int]:
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens):
+        raise ValueError("token ids outside the vocabulary")
+    return tokens
+
+
+class SessionFiles:
+    def __init__(self, root: str | Path):
+        # Ids match SESSION_ID_PATTERN: no separators, and the suffix keeps "." and ".." plain names.
+        self.files = JsonFiles(root, "session")
+
+    @property
+    def reports(self) -> list[str]:
+        return self.files.reports
+
+    def save(self, s: SavedSession) -> None:
+        self.files.write(s.session_id, {"id": s.session_id, "namespace": s.namespace, "key": s.key,
+                                        "tokens": s.tokens, "turns": [t.model_dump() for t in s.turns]})
+
+    def delete(self, session_id: str) -> None:
+        self.files.delete(session_id)
+
+    def load(self, vocab_size: int) -> list[SavedSession]:
+        def parse(b: dict) -> SavedSession:
+            if not re.match(SESSION_ID_PATTERN, b["id"]):
+                raise ValueError(f"bad session id {b['id']!r}")
+            return SavedSession(b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
+                                [TurnRecord(**t) for t in b["turns"]])
+        return list(self.files.read_all(parse))
