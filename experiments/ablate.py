@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from experiments.bench_turns import reply_token_count
-from experiments.common import log_wandb_offline, machine, median, run_dir, table, write_json
+from experiments.common import machine, median, run_dir
+from experiments.drivers.replay import reply_token_count
+from experiments.report import WandbRun, publish, pyplot, save_figure, table
 from experiments.workloads import interleaved_run
 
 CONFIGS = [dict(sessions=s, radix=r, spec=p) for s, r, p in itertools.product((True, False), repeat=3)]
@@ -182,11 +183,7 @@ def report(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(res["results"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     labels = [n.replace("sessions", "sess").replace(" ", "\n") for n in names]
@@ -209,17 +206,15 @@ def plot(res: dict, path: Path) -> None:
     ax2.legend(fontsize=6)
     ax2.grid(alpha=0.3, which="both")
     fig.suptitle(f"ablation: {res['workload']['agents']} interleaved agents, median of {res['args']['repeats']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def log_wandb(res: dict, out: Path) -> str:
+def wandb_run(res: dict) -> WandbRun:
     cols = ["sessions", "radix", "spec", "e2e_s", "median_turn_s", "computed_tokens", "speedup_e2e"]
     data = [[r["config"]["sessions"], r["config"]["radix"], r["config"]["spec"], r["e2e_s"], r["median_turn_s"],
              r["computed_tokens"], r["speedup_e2e_vs_stateless"]] for r in res["results"].values()]
     summary = {f"{short(r['config'])}/e2e_s": r["e2e_s"] for r in res["results"].values()}
-    return log_wandb_offline("ablate", {**res["args"], "command": res["command"]}, summary, {"ablation": (cols, data)}, out)
+    return WandbRun("ablate", {**res["args"], "command": res["command"]}, summary, tables={"ablation": (cols, data)})
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -237,14 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = run(args)
     out = Path(args.out) if args.out else run_dir("ablate")
     out.mkdir(parents=True, exist_ok=True)
-    text = report(res)
-    print(text)
-    write_json(out / "results.json", res)
-    (out / "report.txt").write_text(text + "\n")
-    plot(res, out / "ablation.png")
-    if not args.no_wandb:
-        print(log_wandb(res, out))
-    print(f"wrote {out}/results.json, report.txt, ablation.png")
+    publish(out, res, report(res), plots={"ablation.png": plot}, wandb=None if args.no_wandb else wandb_run(res))
     return res
 
 

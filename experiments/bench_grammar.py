@@ -32,8 +32,9 @@ from engine import Engine
 from engine.grammar import GrammarState
 from engine.structured import request_grammar
 from experiments import agent_data as D
-from experiments.common import machine, median, run_dir, table, write_json
+from experiments.common import machine, median, run_dir
 from experiments.eval_agent_model import score
+from experiments.report import pyplot, save_figure, table, write_json
 
 MODES = {"free": None, "auto": "auto", "required": "required"}
 
@@ -98,11 +99,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(summary: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     keys, width = ("valid_json", "right_tool", "exact_args"), 0.25
     for i, mode in enumerate(MODES):
@@ -113,8 +110,7 @@ def plot(summary: dict, path) -> None:
     right.bar(list(MODES), [summary[m]["ms_per_step"] for m in MODES])
     right.set_ylabel("decode ms/step (median)")
     fig.suptitle("grammar-constrained decoding on agent-8m")
-    fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv=None) -> int:

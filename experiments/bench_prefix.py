@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from engine import Engine
 from engine.engine import common_prefix_len
-from experiments.common import machine, run_dir, table, write_json
+from experiments.common import machine, run_dir
+from experiments.report import table, write_json
 from experiments.workloads import interleaved_run
 
 MODES = {

@@ -35,26 +35,20 @@ import argparse
 import json
 import os
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
 import torch
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
-from experiments.bench_turns import (
-    Request,
-    engine_pages,
-    prepare_checkpoint,
-    prepare_requests,
-    vllm_status,
-    vllm_system,
-    workflow,
-)
-from experiments.common import SHAPES, machine, median, parse_systems, run_dir, table, write_json
+from experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from experiments.drivers.checkpoint import prepare_checkpoint
+from experiments.drivers.engine_http import ChatSystem, ResponsesSystem, Wire
+from experiments.drivers.engine_local import engine_pages
+from experiments.drivers.replay import prepare_requests, workflow
+from experiments.drivers.system import Request, WireTurn
+from experiments.drivers.vllm import VllmChatSystem, vllm_status, vllm_system
+from experiments.report import publish, pyplot, save_figure, table
 
 SYSTEMS = ("responses", "chat", "vllm-apc")
 LABELS = {
@@ -65,18 +59,6 @@ LABELS = {
 MODEL = "bench"
 # The echoed calls add an assistant header per earlier turn to the reference prompt.
 ECHO_SLACK_TOKENS = 16
-
-
-@dataclass
-class AgentTurn:
-    request: Request  # the reference turn: agent, prompt ids, tokens to generate
-    items: list[dict]  # the new items, as the Responses API is sent them
-    messages: list[dict]  # the same, as chat messages
-    tools: list[dict]  # chat completions' shape
-
-
-def flat_tool(tool: dict) -> dict:
-    return {"type": "function", **tool["function"]}
 
 
 def new_turn_parts(turn, previous) -> tuple[list[dict], list[dict]]:
@@ -95,107 +77,14 @@ def new_turn_parts(turn, previous) -> tuple[list[dict], list[dict]]:
     return items, messages
 
 
-def agent_turns(tokenizer, wf, max_turns: int | None, max_gen: int | None) -> list[AgentTurn]:
+def agent_turns(tokenizer, wf, max_turns: int | None, max_gen: int | None) -> list[WireTurn]:
     reqs = prepare_requests(tokenizer, wf, max_turns, max_gen)
     last, out = {}, []
     for turn, req in zip(wf.turns(), reqs):
         items, messages = new_turn_parts(turn, last.get(turn.agent))
-        out.append(AgentTurn(req, items, messages, turn.tools))
+        out.append(WireTurn(req, items, messages, turn.tools))
         last[turn.agent] = turn
     return out
-
-
-class Wire:
-    """The HTTP client of the engine systems, counting the request bytes sent."""
-
-    def __init__(self, http: TestClient):
-        self.sent = 0
-        http.event_hooks["request"].append(self._count)
-        self.client = openai.OpenAI(base_url="http://testserver/v1", api_key="bench", http_client=http, max_retries=0)
-
-    def _count(self, request: httpx.Request) -> None:
-        self.sent += len(request.content)
-
-    def call(self, fn, **kwargs) -> tuple[object, float, int]:
-        before, start = self.sent, time.perf_counter()
-        out = fn(**kwargs)
-        return out, time.perf_counter() - start, self.sent - before
-
-
-class ResponsesSystem:
-    name = "responses"
-
-    def __init__(self, wire: Wire, engine):
-        self.wire, self.engine, self.last = wire, engine, {}
-
-    def warm_up(self, t: AgentTurn) -> None:
-        self.wire.client.responses.create(model=MODEL, input="warm up", tools=[flat_tool(x) for x in t.tools],
-                                          max_output_tokens=4, store=False)
-
-    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
-        agent = t.request.agent
-        r, latency, sent = self.wire.call(
-            self.wire.client.responses.create, model=MODEL, input=t.items, tools=[flat_tool(x) for x in t.tools],
-            previous_response_id=self.last.get(agent), temperature=0.0, max_output_tokens=t.request.gen,
-            extra_body={"ignore_eos": True},
-        )
-        self.last[agent] = r.id
-        u = r.usage
-        return {"latency_s": latency, "bytes": sent, "prompt": u.input_tokens, "cached": u.input_tokens_details.cached_tokens,
-                "computed": self.engine.stats[-1].computed_tokens, "generated": u.output_tokens,
-                "reply": reply_of(r)}
-
-
-class ChatSystem:
-    name = "chat"
-
-    def __init__(self, wire: Wire, engine):
-        self.wire, self.engine = wire, engine
-
-    def warm_up(self, t: AgentTurn) -> None:
-        self.wire.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "warm up"}],
-                                                 tools=t.tools, max_tokens=4)
-
-    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
-        c, latency, sent = self.wire.call(
-            self.wire.client.chat.completions.create, model=MODEL, messages=messages, tools=t.tools, temperature=0.0,
-            max_tokens=t.request.gen, extra_body={"ignore_eos": True},
-        )
-        m, u = c.choices[0].message, c.usage
-        calls = [{"id": x.id, "type": "function", "function": {"name": x.function.name, "arguments": x.function.arguments}}
-                 for x in m.tool_calls or []]
-        return {"latency_s": latency, "bytes": sent, "prompt": u.prompt_tokens, "cached": u.prompt_tokens_details.cached_tokens,
-                "computed": self.engine.stats[-1].computed_tokens, "generated": u.completion_tokens,
-                "reply": {"role": "assistant", "content": m.content, **({"tool_calls": calls} if calls else {})}}
-
-
-class VllmSystem:
-    name = "vllm-apc"
-
-    def __init__(self, peer, tokenizer):
-        self.peer, self.tokenizer = peer, tokenizer
-        self.peer.begin()
-
-    def warm_up(self, t: AgentTurn) -> None:
-        pass  # the driver warmed up when it started
-
-    def turn(self, t: AgentTurn, messages: list[dict]) -> dict:
-        ids = self.tokenizer.apply_chat_template(messages, tools=t.tools)
-        req = Request(t.request.index, t.request.agent, t.request.agent_turn, messages, t.tools, ids, t.request.gen,
-                      t.request.reply_tokens)
-        row = self.peer.turn(req)
-        body = json.dumps({"model": MODEL, "messages": messages, "tools": t.tools, "temperature": 0.0,
-                           "max_tokens": t.request.gen}).encode()
-        return {"latency_s": row["latency_s"], "bytes": len(body), "prompt": len(ids), "cached": row["reused"],
-                "computed": row["computed"], "generated": row["generated"], "reply": None}
-
-
-def reply_of(r) -> dict:
-    """A response's output as the assistant message of the chat side."""
-    text = "".join(p.text for o in r.output if o.type == "message" for p in o.content) or None
-    calls = [{"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
-             for o in r.output if o.type == "function_call"]
-    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 def same_reply(a: dict, b: dict) -> bool:
@@ -221,7 +110,7 @@ def run(args, out_dir: Path) -> dict:
     engine = Engine.from_pretrained(path, dtype=args.dtype, page_size=args.page_size, num_pages=pages)
     skipped: dict[str, str] = {}
     with TestClient(create_app(engine, MODEL)) as http:
-        wire = Wire(http)
+        wire = Wire(http, MODEL)
         live = []
         for s in systems:
             if s == "responses":
@@ -236,7 +125,9 @@ def run(args, out_dir: Path) -> dict:
                          for r in reqs]
                 # The prompts grow with the model's own replies, unknown in advance: vLLM may take the model's whole context.
                 positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
-                live.append(VllmSystem(vllm_system(s, path, sized, args, out_dir / "peers.log", positions), tokenizer))
+                peer = vllm_system(s, path, sized, dtype=args.dtype, threads=args.threads, log=out_dir / "peers.log",
+                                   timeout=args.peer_timeout, max_model_len=positions)
+                live.append(VllmChatSystem(peer, tokenizer, MODEL))
         for x in live:
             x.warm_up(turns[0])
         started = list(live)
@@ -259,8 +150,8 @@ def run(args, out_dir: Path) -> dict:
             agreement.append(all(same_reply(replies[0], r) for r in replies[1:]))
             conversations[t.request.agent] = messages + [replies[0] if replies else {"role": "assistant", "content": ""}]
         for x in started:
-            if isinstance(x, VllmSystem):
-                x.peer.close()
+            if isinstance(x, VllmChatSystem):
+                x.close()
     return {
         "args": vars(args), "machine": machine(), "model": str(path), "engine_pages": pages,
         "turns": [{"turn": i + 1, "agent": t.request.agent, "agent_turn": t.request.agent_turn, "gen": t.request.gen}
@@ -304,11 +195,7 @@ def report(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     turns = [t["turn"] for t in res["turns"]]
     fig, (lat, sent) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s in res["systems_ran"]:
@@ -322,9 +209,7 @@ def plot(res: dict, path: Path) -> None:
     sent.legend(fontsize=8)
     a = res["args"]
     fig.suptitle(f"{a['workflow']}-turn workflow, {a['model'] or a['shape']} {a['dtype']}, {a['threads']} threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -350,14 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = run(args, out)
     res["command"] = " ".join(["python -m experiments.bench_responses", *(sys.argv[1:] if argv is None else argv)])
-    write_json(out / "results.json", res)
-    text = report(res)
-    (out / "report.txt").write_text(text + "\n")
-    print(text)
-    try:
-        plot(res, out / "per_turn.png")
-    except ImportError:
-        print("no matplotlib: no plot")
+    publish(out, res, report(res), plots={"per_turn.png": plot})
     return res
 
 

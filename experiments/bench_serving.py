@@ -19,9 +19,6 @@ forward's) at each batch size.
 from __future__ import annotations
 
 import argparse
-import re
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,7 +28,9 @@ from tqdm import tqdm
 
 from engine import Engine
 from engine.limits import Limits
-from experiments.common import log_wandb_offline, machine, random_model, run_dir, table, write_json
+from experiments.common import machine, random_model, run_dir
+from experiments.drivers.servers import InProcessServer
+from experiments.report import WandbRun, log_wandb, pyplot, save_figure, table, write_json
 
 SYSTEM = "You are agent {i}, one of a team of coding agents. Work carefully and report what you find."
 ASKS = ["Summarise what module {m} does.", "Which functions in {m} touch the cache?", "Propose one test for {m}.",
@@ -44,45 +43,10 @@ def conversation(i: int, turns: int) -> list[str]:
     return [ASKS[(i + t) % len(ASKS)].format(m=module) + f" (step {t + 1} of agent {i})" for t in range(turns)]
 
 
-class Server:
-    """This project's server on 127.0.0.1, in this process."""
-
-    def __init__(self, engine: Engine, name: str):
-        import uvicorn
-
-        from engine.api import create_app
-
-        self.engine = engine
-        sock = socket.socket()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._uv = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level="warning"))
-        self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        while not self._uv.started:
-            time.sleep(0.05)
-
-    def metrics(self) -> dict[str, float]:
-        import httpx
-
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
-            if m and "_bucket" not in m.group(1):
-                out[m.group(1)] = float(m.group(3))
-        return out
-
-    def close(self) -> None:
-        self._uv.should_exit = True
-        self._thread.join(30)
-
-
-def run_client(url: str, model: str, i: int, turns: int, gen: int, progress) -> dict:
+def run_client(base_url: str, model: str, i: int, turns: int, gen: int, progress) -> dict:
     import openai
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     messages = [{"role": "system", "content": SYSTEM.format(i=i)}]
     replies, errors, latencies = [], [], []
     for ask in conversation(i, turns):
@@ -121,21 +85,21 @@ def working_set_tokens(engine: Engine, clients: int, turns: int, gen: int) -> in
 def serve_clients(model_dir: Path | None, clients: int, turns: int, gen: int, pages: int | None, parallel: bool,
                   label: str) -> dict:
     engine = Engine.from_pretrained(model_dir, num_pages=pages) if pages else Engine.from_pretrained(model_dir)
-    server = Server(engine, "agentkv-bench")
+    server = InProcessServer(engine, "agentkv-bench")
     bar = tqdm(total=clients * turns, desc=label)
     start = time.perf_counter()
     try:
         if parallel:
             with ThreadPoolExecutor(clients) as pool:
-                results = list(pool.map(lambda i: run_client(server.url, "agentkv-bench", i, turns, gen, bar),
+                results = list(pool.map(lambda i: run_client(server.base_url, "agentkv-bench", i, turns, gen, bar),
                                         range(clients)))
         else:
-            results = [run_client(server.url, "agentkv-bench", i, turns, gen, bar) for i in range(clients)]
+            results = [run_client(server.base_url, "agentkv-bench", i, turns, gen, bar) for i in range(clients)]
         wall = time.perf_counter() - start
         metrics = server.metrics()
     finally:
         bar.close()
-        server.close()
+        server.stop()
     return {"results": results, "wall_s": wall, "metrics": metrics, "pages": engine.pool.num_pages,
             "page_size": engine.pool.page_size}
 
@@ -202,11 +166,7 @@ def part2(args) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     p2 = res["part2"]
     bs = sorted(p2, key=int)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -224,9 +184,7 @@ def plot(res: dict, path: Path) -> None:
         fig.suptitle(f"{res['args']['clients']} clients, pool {p1['pool_tokens']} of {p1['working_set_tokens']} "
                      f"working-set tokens: {p1['completed']}/{p1['requests']} done, {p1['errors_5xx']} 5xx, "
                      f"{p1['preemptions']:.0f} preemptions")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -268,8 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_wandb:
         rows = [[int(b), r["tokens_per_s"], r["speedup_vs_one"], r["host_overhead_frac"]] for b, r in res["part2"].items()]
         summary = {k: v for k, v in res.get("part1", {}).items() if isinstance(v, (int, float))}
-        print(log_wandb_offline("bench_serving", res["args"], summary,
-                                {"decode": (["batch", "tokens_per_s", "speedup", "host_overhead"], rows)}, out))
+        print(log_wandb(WandbRun("bench_serving", res["args"], summary,
+                                 tables={"decode": (["batch", "tokens_per_s", "speedup", "host_overhead"], rows)}), out))
     print(f"wrote {out}/results.json and {out}/bench_serving.png")
     return res
 

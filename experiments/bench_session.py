@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine
-from experiments.common import machine, median, random_model, run_dir, table, write_json
+from experiments.common import machine, median, random_model, run_dir
+from experiments.report import pyplot, save_figure, table, write_json
 
 
 def timed_turn(engine: Engine, session, new: list[int], gen: int) -> tuple[float, float, int]:
@@ -112,11 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     turns = [r["turn"] for r in res["turns"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(turns, [r["stateful_ms"] for r in res["turns"]], "o-", label="stateful (computes Δ)")
@@ -126,8 +123,7 @@ def plot(res: dict, path) -> None:
     ax.set_title(f"{res['args']['shape']} {res['args']['dtype']}, median of {res['args']['repeats']}")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

