@@ -290,18 +290,26 @@ class KVTier:
             self._prefetcher.submit(self._prefetch, key)
 
     def _prefetch(self, key: str) -> None:
+        # Files are read outside the lock: steps restoring other sessions go on meanwhile.
         with self._lock:
             e = self._entries.get(key)
-            if e is None:
-                return
+            todo = [p for p in e.pieces if p.parts is None] if e is not None else []
+        for p in todo:
             try:
-                for p in e.pieces:
-                    if p.parts is None and self._fit(p.nbytes, protect=key):
-                        p.parts = self._read(e, p)
-                        self.host_used += p.nbytes
+                parts = self._read(e, p)
             except _Corrupt as err:
-                self._report(f"session KV {key}: {err}; it recomputes")
-                self._drop(e)
+                with self._lock:
+                    if self._entries.get(key) is e and p in e.pieces:  # not a file a rewrite removed meanwhile
+                        self._report(f"session KV {key}: {err}; it recomputes")
+                        self._drop(e)
+                return
+            with self._lock:
+                if self._entries.get(key) is not e or p not in e.pieces or p.parts is not None:
+                    return  # changed meanwhile: a restore reads what it needs itself
+                if not self._fit(p.nbytes, protect=key):
+                    return
+                p.parts = parts
+                self.host_used += p.nbytes
 
     # -- room ------------------------------------------------------------
 
