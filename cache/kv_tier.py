@@ -17,39 +17,33 @@ a wrong token.
 Bounded: past host_bytes the least recently used entries move to disk
 (spill_dir), past disk_bytes they are dropped (their conversations
 recompute); an entry larger than the host tier is refused. Persistent
-entries (sessions kept across restarts) are written through to disk with a
-manifest naming the model they belong to; load() verifies them (identity
-and every piece's checksum) and reports what it had to discard.
+entries (sessions kept across restarts) are written through to disk
+(cache.kv_disk, whose manifests name the model they belong to); load()
+verifies them (identity and every piece's checksum) and reports what it
+had to discard.
 
 On a GPU the copies to host go to pinned memory on a side stream, so an
 offload overlaps the next step; every reader waits for its copy first.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import kernels
 from cache import kv_codec
 from cache.block_table import BlockTable
 from cache.errors import PageAccountingError
+from cache.kv_disk import CorruptKV, KVDisk
 from cache.pool import PagePool
 
 log = logging.getLogger("agentkv.kv_tier")
-
-MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -90,13 +84,6 @@ class _Entry:
     files: int = 0  # files written so far: names the next
 
 
-def _crc(parts: dict[str, torch.Tensor]) -> int:
-    crc = 0
-    for name in sorted(parts):
-        crc = zlib.crc32(parts[name].contiguous().view(torch.uint8).numpy(), crc)
-    return crc
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -123,13 +110,11 @@ class KVTier:
             raise ValueError("tier sizes must be >= 0")
         kv_codec.encode(torch.zeros(1), codec)  # rejects an unknown codec now
         self.pool, self.host_bytes, self.disk_bytes, self.codec = pool, host_bytes, disk_bytes, codec
-        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
-        if self.spill_dir is not None:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
         one = pool.read_slots(torch.zeros(1, dtype=torch.long, device=pool.kv.device))
         self.token_bytes = kv_codec.nbytes(kv_codec.encode(one, codec))  # as stored here
         self.identity = {**(identity or {}), "codec": codec, "page_size": pool.page_size,
                          "kv_dtype": str(pool.kv.dtype), "kv_shape": list(one.shape[1:])}
+        self.disk = KVDisk(spill_dir, self.identity) if spill_dir is not None else None
         self.counters = TierCounters()
         self.reports: list[str] = []  # what load() or a restore found wrong, for operators
         self.host_used = 0
@@ -239,7 +224,7 @@ class KVTier:
             first, last = start // ps, -(-end // ps)
             try:
                 parts = [self._load(e, p) for p in e.pieces[first:last]]
-            except _Corrupt as err:
+            except CorruptKV as err:
                 self._report(f"session KV {key}: {err}; it recomputes")
                 self._drop(e)
                 return 0
@@ -272,14 +257,7 @@ class KVTier:
         return parts
 
     def _read(self, e: _Entry, p: _Piece) -> dict[str, torch.Tensor]:
-        path = self._dir(e.key) / p.file
-        try:
-            with safe_open(str(path), "pt") as f:
-                parts = {k.split(".", 1)[1]: f.get_tensor(k) for k in f.keys() if k.startswith(p.name + ".")}
-        except Exception as err:  # a missing, truncated or foreign file
-            raise _Corrupt(f"cannot read {path.name}: {err}") from None
-        if not parts or _crc(parts) != p.crc:
-            raise _Corrupt(f"checksum mismatch in {path.name} ({p.name})")
+        parts = self.disk.read_piece(e.key, p.file, p.name, p.crc)
         self.counters.disk_read_bytes += p.nbytes
         return parts
 
@@ -297,7 +275,7 @@ class KVTier:
         for p in todo:
             try:
                 parts = self._read(e, p)
-            except _Corrupt as err:
+            except CorruptKV as err:
                 with self._lock:
                     if self._entries.get(key) is e and p in e.pieces:  # not a file a rewrite removed meanwhile
                         self._report(f"session KV {key}: {err}; it recomputes")
@@ -322,7 +300,7 @@ class KVTier:
             if not victims:
                 return False
             e = min(victims, key=lambda x: x.used)
-            if self.spill_dir is not None and self._write(e):
+            if self.disk is not None and self._write(e):
                 for p in e.pieces:
                     self._evict_from_host(p)
             else:
@@ -348,8 +326,8 @@ class KVTier:
             self._forget_piece(p)
         self._entries.pop(e.key, None)
         self.counters.dropped += 1
-        if self.spill_dir is not None:
-            shutil.rmtree(self._dir(e.key), ignore_errors=True)
+        if self.disk is not None:
+            self.disk.remove(e.key)
 
     def drop(self, key: str, persistent: bool = False) -> None:
         """Forget the entry (a persistent one only with persistent=True)."""
@@ -370,14 +348,10 @@ class KVTier:
 
     # -- disk ------------------------------------------------------------
 
-    def _dir(self, key: str) -> Path:
-        assert self.spill_dir is not None
-        return self.spill_dir / key
-
     def _write(self, e: _Entry) -> bool:
         """Write the entry's pieces not on disk yet (one new file) and its
         manifest. False if the disk tier has no room for them."""
-        if self.spill_dir is None:
+        if self.disk is None:
             return False
         todo = [p for p in e.pieces if p.file is None]
         need = sum(p.nbytes for p in todo)
@@ -387,41 +361,18 @@ class KVTier:
             if not victims:
                 return False
             self._drop(min(victims, key=lambda x: x.used))
-        folder = self._dir(e.key)
-        folder.mkdir(parents=True, exist_ok=True)
         if todo:
-            name = f"{e.files:06d}.safetensors"
+            filename = f"{e.files:06d}.safetensors"
             e.files += 1
-            tensors = {}
-            for i, p in enumerate(todo):
-                parts = self._load(e, p)
-                p.name, p.crc = f"p{i}", _crc(parts)
-                tensors.update({f"p{i}.{k}": v.contiguous() for k, v in parts.items()})
-            save_file(tensors, str(folder / name))
-            _fsync(folder / name)
-            for p in todo:
-                p.file = name
+            for p, (name, crc) in zip(todo, self.disk.write_pieces(e.key, filename, [self._load(e, p) for p in todo])):
+                p.file, p.name, p.crc = filename, name, crc
             self.disk_used += need
             self.counters.spilled_bytes += need
-        self._write_manifest(e)
-        return True
-
-    def _write_manifest(self, e: _Entry) -> None:
-        folder = self._dir(e.key)
-        manifest = {
-            "identity": self.identity, "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens,
-            "files": e.files,
+        self.disk.write_manifest(e.key, {
+            "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens, "files": e.files,
             "pieces": [{"n": p.n, "nbytes": p.nbytes, "file": p.file, "name": p.name, "crc": p.crc} for p in e.pieces],
-        }
-        tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest))
-        _fsync(tmp)
-        os.replace(tmp, folder / MANIFEST)
-        # Files no piece refers to any more (a truncated conversation's).
-        live = {p.file for p in e.pieces} | {MANIFEST}
-        for f in folder.glob("*.safetensors"):
-            if f.name not in live:
-                f.unlink(missing_ok=True)
+        })
+        return True
 
     def persist(self, key: str) -> bool:
         """Keep the entry across restarts: written through to disk from now on."""
@@ -439,35 +390,25 @@ class KVTier:
     def load(self) -> list[str]:
         """Register the persistent entries found on disk, verified: the model
         identity and every piece's checksum. What fails is reported and
-        removed (its session recomputes); leftovers of spills are removed.
-        Returns the keys loaded."""
-        if self.spill_dir is None:
+        removed (its session recomputes). Returns the keys loaded."""
+        if self.disk is None:
             return []
         loaded = []
         with self._lock:
-            for folder in sorted(p for p in self.spill_dir.iterdir() if p.is_dir()):
-                key = folder.name
+            for key, m, problem in self.disk.saved():
                 try:
-                    m = json.loads((folder / MANIFEST).read_text())
-                    if not m.get("persistent"):
-                        raise _Stale()
-                    if m["identity"] != self.identity:
-                        diff = sorted(k for k in set(m["identity"]) | set(self.identity)
-                                      if m["identity"].get(k) != self.identity.get(k))
-                        raise _Corrupt(f"saved for another model or layout (differs in {', '.join(diff)})")
+                    if problem is not None:
+                        raise CorruptKV(problem)
                     e = _Entry(key, m["namespace"], list(m["tokens"]), persistent=True, files=int(m["files"]))
                     e.pieces = [_Piece(int(p["n"]), int(p["nbytes"]), None, None, p["file"], p["name"], p["crc"])
                                 for p in m["pieces"]]
                     if sum(p.n for p in e.pieces) != len(e.tokens) or any(p.file is None for p in e.pieces):
-                        raise _Corrupt("its manifest does not match its pieces")
+                        raise CorruptKV("its manifest does not match its pieces")
                     for p in e.pieces:
                         self._read(e, p)
-                except _Stale:
-                    shutil.rmtree(folder, ignore_errors=True)
-                    continue
-                except (_Corrupt, OSError, ValueError, KeyError, TypeError) as err:
+                except (CorruptKV, ValueError, KeyError, TypeError) as err:
                     self._report(f"session KV {key}: {err}; it recomputes")
-                    shutil.rmtree(folder, ignore_errors=True)
+                    self.disk.remove(key)
                     continue
                 self._entries[key] = e
                 self.disk_used += sum(p.nbytes for p in e.pieces)
@@ -489,16 +430,3 @@ class KVTier:
                                           f"{host} and {disk}")
             if self.host_used > self.host_bytes or self.disk_used > self.disk_bytes:
                 raise PageAccountingError("the tier is past its size cap")
-
-
-class _Corrupt(Exception):
-    pass
-
-
-class _Stale(Exception):
-    pass
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())

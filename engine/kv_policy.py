@@ -70,7 +70,7 @@ class KVPolicy:
     def persist(self, seq: Sequence) -> bool:
         """Write seq's KV through to the tier's disk (kept across restarts)."""
         tier = self.tier
-        if tier is None or tier.spill_dir is None:
+        if tier is None or tier.disk is None:
             return False
         if seq.table.length and not tier.offload(seq.key, seq.namespace, seq.tokens, seq.table):
             return False
