@@ -1,0 +1,63 @@
+"""Smoke test of experiments.bench_agents: two agents, two live turns
+each, short replies and pauses, against this engine's server in a
+subprocess as both of its systems (vLLM skipped); checks the JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import bench_agents
+
+SYSTEMS = ["agentkv", "agentkv-lru"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_agents")
+    # A pool that holds the whole working set: no preemption, so every prompt
+    # token is either reused or computed exactly once.
+    bench_agents.main(["--agents", "2", "--turns-per-agent", "2", "--max-tokens", "8", "--pause-scale", "0.02",
+                       "--kv-fraction", "1.0", "--threads", "1", "--systems", ",".join(SYSTEMS), "--out", str(out),
+                       "--no-wandb"])
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_a_row_per_system_with_every_turn_done(result):
+    _, data = result
+    assert [r["system"] for r in data["rows"]] == SYSTEMS
+    for r in data["rows"]:
+        assert r["agents"] == 2
+        assert r["planned_turns"] == 4
+        assert r["completed_turns"] == 4
+        assert r["errors"] == []
+        assert 0 < r["tokens"] <= r["working_set_tokens"]
+        assert r["job_s_median"] >= r["turn_s_p50"] > 0
+        assert len(r["records"]) == 2 and all(len(a["turns"]) == 2 for a in r["records"])
+
+
+def test_tokens_add_up_with_the_servers_counters(result):
+    _, data = result
+    for r in data["rows"]:
+        assert r["prompt_tokens_server"] == r["prompt_tokens"]
+        assert r["cached_tokens"] == r["reused_tokens"]
+        assert r["preemptions"] == 0
+        assert r["computed_tokens"] + r["reused_tokens"] == r["prompt_tokens"]
+        # The agents share a system prompt and tools, and each re-sends its history: something is reused.
+        assert 0 < r["reused_tokens"] < r["prompt_tokens"]
+        assert r["prefix_queries"] >= r["prefix_hits"] > 0
+
+
+def test_both_engine_systems_write_the_same_replies(result):
+    # fp32 results do not depend on batch or page placement: retention and
+    # the host tier change what is recomputed, never what is said.
+    _, data = result
+    lru = data["rows"][1]
+    assert lru["replies_equal_to"] == "agentkv"
+    assert lru["replies_equal"] == lru["completed_turns"]
+
+
+def test_writes_the_plot(result):
+    out, _ = result
+    pytest.importorskip("matplotlib")
+    assert (out / "bench_agents.png").stat().st_size > 0
