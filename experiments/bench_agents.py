@@ -218,6 +218,7 @@ def plot(res: dict, path: Path) -> None:
         for system in dict.fromkeys(r["system"] for r in rows):
             pts = sorted((r["agents"], r[key]) for r in rows if r["system"] == system)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_xticks(sorted({r["agents"] for r in rows}))
         ax.set_xlabel("concurrent agents")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
