@@ -42,6 +42,7 @@ from cache.block_table import BlockTable
 from cache.errors import PageAccountingError
 from cache.kv_disk import CorruptKV, KVDisk
 from cache.pool import PagePool
+from cache.tokens import common_prefix_len
 
 log = logging.getLogger("agentkv.kv_tier")
 
@@ -82,18 +83,6 @@ class _Entry:
     used: int = 0
     persistent: bool = False
     files: int = 0  # files written so far: names the next
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in strides first: conversations share long prefixes.
-    step = 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class KVTier:
@@ -141,7 +130,7 @@ class KVTier:
             e = self._entries.get(key)
             if e is None or e.namespace != namespace or limit < 1:
                 return 0
-            return min(_common_prefix(e.tokens, tokens), limit)
+            return min(common_prefix_len(e.tokens, tokens), limit)
 
     # -- offload ---------------------------------------------------------
 
@@ -161,7 +150,7 @@ class KVTier:
                 e = None
             keep = 0
             if e is not None:
-                same = _common_prefix(e.tokens, tokens[:n])
+                same = common_prefix_len(e.tokens, tokens[:n])
                 keep = min(same // ps, sum(1 for p in e.pieces if p.n == ps))
                 for p in e.pieces[keep:]:
                     self._forget_piece(p)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cache.tokens import common_prefix_len
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.request import OnDone, OnTokens, Request
 from engine.structured import request_grammar
@@ -29,14 +30,6 @@ class ChatResult:
     usage: dict
     finish_reason: str  # "stop", "length" or "tool_calls"
     token_ids: list[int] = field(default_factory=list)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class ChatTurn:

@@ -131,4 +131,9 @@ class KVPolicy:
             self.evict(seq)
             if self.radix is not None:
                 self.radix.evict(pages - self.pool.num_free)
+        if soft_pins and self.radix is not None and self.pool.num_free < pages:
+            # The last resort before a request fails: pages only the tree
+            # holds inside it (a prefix a session holds its own copy of,
+            # below a path it still uses) go with the whole tree.
+            self.radix.clear()
         return self.pool.num_free >= pages

@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 from cache.errors import KVCapacityError
 from cache.pool import PagePool
+from cache.tokens import common_prefix_len
 from engine.emit import verdicts
 from engine.errors import EngineError, PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
 from engine.kv_policy import KVPolicy
@@ -249,6 +250,8 @@ class Scheduler:
                 work.append(self._admit(_Work(req, None, [])))
                 continue
             if not req.admitted:
+                if self._follows_a_prefill(req):
+                    continue  # waits to match what another request is computing now
                 self._find_kv(req, reserved, {x.req for x in work})
             w = self._next_chunk(req)
             if len(w.item.tokens) > budget and work:
@@ -263,6 +266,23 @@ class Scheduler:
             budget -= len(w.item.tokens)
             work.append(self._admit(w))
         return work
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """Whether a running request is computing a prompt that shares more
+        with req's tokens than it has computed yet: req then waits, and
+        matches that prefix once computed (each prompt chunk is published to
+        the prefix cache), instead of computing it a second time. Agents that
+        start together share their system prompt this way."""
+        seq = req.seq
+        if self.policy.radix is None or seq.table.length:
+            return False
+        for r in self.running:
+            other = r.seq
+            held = other.table.length
+            if (other is not seq and other.namespace == seq.namespace and held < len(other.tokens) - 1
+                    and common_prefix_len(other.tokens, seq.tokens) > held + self.pool.page_size):
+                return True
+        return False
 
     def _find_kv(self, req: Request, reserved: int, scheduled: set[Request]) -> None:
         """Before a request (re)joins: what of its sequence's KV the prefix
@@ -362,6 +382,9 @@ class Scheduler:
             elif w.draft is None or not w.req.output:  # prompt work
                 turn.prefill_s += elapsed
                 turn.computed_tokens += len(w.item.tokens) - len(w.draft or ())
+                if w.draft is None and w.item.table.length % self.pool.page_size == 0:
+                    # A chunk short of the prompt's end, ending on a page: others may match it now.
+                    self.policy.publish(w.req.seq)
             else:
                 turn.decode_s += elapsed
                 turn.decode_steps += 1

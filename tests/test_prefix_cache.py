@@ -111,3 +111,52 @@ def test_idle_session_past_its_ttl_is_parked_and_comes_back(ckpt):
     torch.testing.assert_close(logits, fresh_logits(ckpt, ids(60, 30) + out + [9, 9])[-2:], atol=1e-5, rtol=0)
     waiting.close()
     assert_all_pages_free(engine)
+
+
+def test_agents_that_start_together_compute_their_shared_prompt_once(ckpt):
+    """Requests queued at once with a common system prompt: one computes it
+    (published chunk by chunk), the others wait and match it; each reply
+    equals the one it gets alone."""
+    from engine.limits import Limits
+
+    limits = Limits(prefill_chunk=32, max_num_batched_tokens=128)
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=128, limits=limits)
+    system = ids(100, 40)
+    prompts = [system + ids(11, 41 + i) for i in range(4)]
+    sessions = [engine.session() for _ in prompts]
+    reqs = []
+    for s, p in zip(sessions, prompts):
+        s.queue(p)
+        reqs.append(s.start_generate(max_tokens=5, ignore_eos=True))
+    for r in reqs:
+        engine.scheduler.wait(r)
+        assert r.error is None
+    computed = sum(r.turn.computed_tokens for r in reqs)
+    assert computed <= len(system) + 4 * (11 + PS)  # the system prompt once, not four times
+    alone = Engine.from_pretrained(ckpt, page_size=PS, num_pages=128, limits=limits)
+    for p, r in zip(prompts, reqs):
+        with alone.session() as s:
+            s.append(p)
+            assert s.generate(max_tokens=5, ignore_eos=True) == r.output
+    for s in sessions:
+        s.close()
+
+
+def test_a_prefix_only_the_tree_holds_below_a_used_path_gives_way_before_a_request_fails(ckpt):
+    """B computed the system prompt itself before A published it: the tree
+    keeps A's copy in a node above B's published tail, which plain eviction
+    cannot take (B's tail below it is in use). Rather than fail B's request
+    for lack of pages, the tree goes."""
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=14, kv_offload_bytes=0)
+    system = ids(40, 50)
+    b = engine.session()
+    b.append(system + ids(8, 51))  # one chunk: nothing published yet
+    with engine.session() as a:
+        a.append(system + ids(8, 52))
+        a.generate(max_tokens=2, ignore_eos=True)  # publishes the system prompt with a's pages
+    b.generate(max_tokens=2, ignore_eos=True)  # publishes b's tail below a's copy of the prompt
+    assert engine.pool.num_free < 3
+    more = ids(24, 53)
+    got = b.append(more, all_logits=True)
+    torch.testing.assert_close(got, fresh_logits(ckpt, b.tokens)[-24:], rtol=0, atol=1e-5)
+    b.close()

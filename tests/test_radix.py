@@ -196,7 +196,9 @@ def test_eviction_takes_least_recently_used_leaves_first_then_their_parents():
     assert cache.evicted_pages == 5 and pool.num_free == pool.num_pages
 
 
-def test_eviction_skips_leaves_pinned_by_a_session_and_frees_fewer_than_asked():
+def test_eviction_keeps_what_a_session_pins_and_frees_the_rest_of_its_leaf():
+    """A session that holds only a leaf's first page pins that page: the
+    leaf's other pages still go (split on the page boundary)."""
     pool = make_pool(page_size=4)
     cache = RadixCache(pool)
     pinned, idle = [1] * 12, [2] * 12
@@ -206,14 +208,16 @@ def test_eviction_skips_leaves_pinned_by_a_session_and_frees_fewer_than_asked():
     session = BlockTable(pool, pages, length)
     pool.decref(cache.match(idle)[1])  # the pinned leaf is the least recently used one
 
-    assert cache.evict(100) == 3
+    assert cache.evict(100) == 5  # the idle leaf's 3 pages and the pinned one's last 2
+    check_node_pages(cache)
     length, pages = cache.match(pinned)
-    assert length == 12
+    assert length == 4
     assert_matches(pool, pages, pinned, length)
     pool.decref(pages)
     assert cache.match(idle)[0] == 0
+    assert cache.evict(100) == 0  # what the session holds stays
     session.release()
-    assert cache.evict(100) == 3 and pool.num_free == pool.num_pages
+    assert cache.evict(100) == 1 and pool.num_free == pool.num_pages
 
 
 def test_a_match_never_crosses_namespaces():
@@ -313,7 +317,11 @@ class RadixMachine(RuleBasedStateMachine):
 
     def evict(self, num_pages: int) -> int:
         session_pages = {p for s in self.sessions for p in s.table.pages}
-        pinned = [(ns, path) for ns, path, node in tree_nodes(self.cache) if session_pages.intersection(node.pages)]
+        ps = self.pool.page_size
+        # What a session holds stays: each node's tokens up to the end of its last page a session holds.
+        pinned = [(ns, path[: min(node.end, (node.start // ps + max(i for i, p in enumerate(node.pages)
+                                                                    if p in session_pages) + 1) * ps)])
+                  for ns, path, node in tree_nodes(self.cache) if session_pages.intersection(node.pages)]
         free = self.pool.num_free
         freed = self.cache.evict(num_pages)
         self.counts["evicted_pages"] += freed
