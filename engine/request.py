@@ -49,6 +49,7 @@ class Request:
     turn: TurnStats | None = None  # a generation's turn record, once it finished
     admitted: bool = False  # counted as running (has been scheduled since it last queued)
     preemptions: int = 0
+    started: bool = False  # admitted at least once (what it found held or cached is counted then)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -294,7 +294,7 @@ class Scheduler:
         end = self.policy.restorable(seq, limit)
         if end > seq.table.length and self._secure(reserved + seq.table.pages_needed(end - seq.table.length), req, scheduled):
             restored = self.policy.restore(seq, end)
-            if req.preemptions == 0:
+            if not req.started:
                 seq.turn.restored_tokens += restored
 
     def _next_chunk(self, req: Request) -> _Work:
@@ -317,7 +317,8 @@ class Scheduler:
             req.admitted = True
             self.waiting.remove(req)
             self.running.append(req)
-            if req.preemptions == 0:  # first admission: what it found held or cached
+            if not req.started:  # first admission: what it found held or cached
+                req.started = True
                 c = self.counters
                 c.queue_s.observe(time.monotonic() - req.queued_at)
                 c.prefix_queries += len(seq.tokens)
