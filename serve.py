@@ -2,7 +2,7 @@
 
     python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32] [--kv-cache-gb 1]
         # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
-    python serve.py demo [--shape 6|35|interleaved]   # the multi-agent demo, stateful vs stateless
+    python serve.py demo [--agents 6] [--kv-fraction 0.3]   # many agents with tool pauses, three ways to serve them
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ log = logging.getLogger("agentkv.serve")
 def serve(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         description="agentkv: a stateful inference engine for multi-agent tool calling, served over an OpenAI-compatible API",
-        epilog="`python serve.py demo --help`: the multi-agent demo, stateful vs stateless",
+        epilog="`python serve.py demo --help`: the main job, many agents with tool pauses served three ways",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

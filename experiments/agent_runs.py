@@ -41,7 +41,7 @@ from typing import Callable
 from engine.chat_turn import common_prefix_len
 from experiments.drivers.replay import prepare_requests
 from experiments.drivers.system import kv_tokens_needed
-from experiments.live_replay import _as_message
+from experiments.live_replay import as_message
 from experiments.workloads import Conversation, Workflow, interleaved_run
 
 PAUSE_MEDIAN_RANGE = (0.5, 8.0)  # seconds: each tool's median is drawn log-uniformly from here
@@ -156,7 +156,7 @@ def run_agent(conv: Conversation, client: Client, max_tokens: int, pauses: Pause
         try:
             r = client(conv.agent, messages[:i], conv.tools, max_tokens)
             latency = time.perf_counter() - t0
-            messages[i] = _as_message(r.text, r.calls, messages[i])
+            messages[i] = as_message(r.text, r.calls, messages[i])
         except Exception as e:  # noqa: BLE001 - a failed turn ends this agent's job, recorded
             turns.append(TurnRecord(conv.agent, k, time.perf_counter() - t0, 0.0, error=f"{type(e).__name__}: {e}"))
             break

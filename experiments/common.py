@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from experiments.report import table  # noqa: F401 - demo.py, eval_agent_model.py and profiling/breakdown.py import it from here
 from model.config import ModelConfig
 from model.default import random_init
 from model.llama import Transformer

@@ -34,7 +34,8 @@ import torch
 
 from engine import Engine
 from experiments import agent_data as D
-from experiments.common import machine, table
+from experiments.common import machine
+from experiments.report import table
 from model.tool_calls import parse_tool_calls
 
 TARGETS = {"valid_json": 0.95, "right_tool": 0.80, "exact_args": 0.70}

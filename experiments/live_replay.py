@@ -24,7 +24,7 @@ from engine import Engine
 from experiments.workloads import Conversation, Workflow
 
 
-def _as_message(text: str, calls: list[dict], reference: dict) -> dict:
+def as_message(text: str, calls: list[dict], reference: dict) -> dict:
     """The reply as an OpenAI assistant message; call ids follow the
     reference's so the scripted tool results still answer them."""
     ref_ids = [c["id"] for c in reference.get("tool_calls") or []]
@@ -57,7 +57,7 @@ def live_workflow(engine: Engine, wf: Workflow, max_gen: int, max_turns: int | N
                 continue
             result = engine.chat(conv.messages[:at], tools=conv.tools, session=sessions[agent], max_tokens=max_gen,
                                  temperature=0.0)
-            conv.messages[at] = _as_message(result.text, result.tool_calls, conv.messages[at])
+            conv.messages[at] = as_message(result.text, result.tool_calls, conv.messages[at])
     finally:
         for s in sessions.values():
             s.close()

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from engine import Engine
     from experiments.bench_turns import prepare_requests, workflow
-    from experiments.common import machine, run_dir, table
+    from experiments.common import machine, run_dir
+    from experiments.report import table
 
     base = load_engine(args)
     wf = workflow(args.workflow, args.seed)
