@@ -252,7 +252,8 @@ class Scheduler:
             if not req.admitted:
                 if self._follows_a_prefill(req):
                     continue  # waits to match what another request is computing now
-                self._find_kv(req, reserved, {x.req for x in work})
+                if not self._find_kv(req, reserved, {x.req for x in work}) and work:
+                    continue  # waits for room to restore the rest, rather than recompute it
             w = self._next_chunk(req)
             if len(w.item.tokens) > budget and work:
                 continue  # waits for a step with room
@@ -284,18 +285,37 @@ class Scheduler:
                 return True
         return False
 
-    def _find_kv(self, req: Request, reserved: int, scheduled: set[Request]) -> None:
+    def _find_kv(self, req: Request, reserved: int, scheduled: set[Request]) -> bool:
         """Before a request (re)joins: what of its sequence's KV the prefix
         cache and then the second tier still hold, all but the tokens it
-        must compute for their logits."""
+        must compute for their logits. When the pool has no room for all the
+        tier holds, as much as fits is restored; False then: the request
+        should wait for the rest instead of computing it."""
         seq = req.seq
         limit = len(seq.tokens) - (req.num_logits if req.is_append else 1)
         self.policy.reuse_prefix(seq, limit)
         end = self.policy.restorable(seq, limit)
-        if end > seq.table.length and self._secure(reserved + seq.table.pages_needed(end - seq.table.length), req, scheduled):
+        if end <= seq.table.length:
+            return True
+        whole = self._secure(reserved + seq.table.pages_needed(end - seq.table.length), req, scheduled)
+        if not whole:
+            end = self._fits(seq, end, self.pool.num_free - reserved)
+        if end > seq.table.length:
             restored = self.policy.restore(seq, end)
             if not req.started:
                 seq.turn.restored_tokens += restored
+        return whole
+
+    def _fits(self, seq: Sequence, end: int, pages: int) -> int:
+        """The furthest position up to end whose KV `pages` free pages can hold."""
+        lo, hi = seq.table.length, end
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if seq.table.pages_needed(mid - seq.table.length) <= pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _next_chunk(self, req: Request) -> _Work:
         seq = req.seq

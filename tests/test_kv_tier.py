@@ -216,3 +216,32 @@ def test_tier_rejects_bad_sizes(reference):
         KVTier(reference.pool, -1)
     with pytest.raises(ValueError):
         KVTier(reference.pool, 1 << 20, codec="fp4")
+
+
+def test_a_restore_without_room_for_all_of_it_waits_for_the_rest(reference):
+    """While another request holds most of the pool, a returning session
+    restores what fits and waits for room for the rest: nothing the tier
+    holds is recomputed."""
+    from engine.limits import Limits
+
+    # Small prompt chunks: one would fit where the whole restore does not.
+    limits = Limits(prefill_chunk=32, max_num_batched_tokens=128)
+    engine = tiered(reference, num_pages=20, limits=limits)
+    prompt, more = ids(100, 30), ids(5, 31)
+    b = engine.session()  # the older conversation: a cannot preempt it
+    a = engine.session()
+    a.append(prompt)
+    leave_pool(engine, a)
+    b.queue(ids(90, 32))
+    rb = b.start_generate(max_tokens=6, ignore_eos=True)
+    for _ in range(3):
+        engine.scheduler.step()  # b's prompt, in chunks: 12 of the 20 pages
+    ra = a.start_append(more)
+    engine.scheduler.wait(ra)
+    engine.scheduler.wait(rb)
+    assert ra.error is None and rb.error is None
+    assert engine.tier.counters.restored_tokens == len(prompt)
+    alone = tiered(reference, limits=limits, kv_offload_bytes=0, prefix_cache=False)  # the same chunks
+    assert torch.equal(ra.logits[-1][-1], expected_logits(alone, prompt, more)[-1])
+    a.close()
+    b.close()
