@@ -134,10 +134,12 @@ class KVTier:
 
     # -- offload ---------------------------------------------------------
 
-    def offload(self, key: str, namespace: str, tokens: list[int], table: BlockTable) -> bool:
+    def offload(self, key: str, namespace: str, tokens: list[int], table: BlockTable, replace: bool = True) -> bool:
         """Store the KV of the table's tokens (tokens[:table.length]) under key,
-        copying only the pieces the entry lacks. False (and nothing stored) if
-        it cannot fit."""
+        copying only the pieces the entry lacks. An entry that already holds
+        all of it stays as it is (a session's entry after the fork working
+        its turn stored more); one that diverges is replaced only with
+        replace. False if nothing was stored (no room, or not replaced)."""
         n = table.length
         if n < 1:
             return False
@@ -151,6 +153,11 @@ class KVTier:
             keep = 0
             if e is not None:
                 same = common_prefix_len(e.tokens, tokens[:n])
+                if same == n:
+                    self._touch(e)
+                    return True
+                if not replace:
+                    return False
                 keep = min(same // ps, sum(1 for p in e.pieces if p.n == ps))
                 for p in e.pieces[keep:]:
                     self._forget_piece(p)

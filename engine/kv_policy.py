@@ -53,11 +53,13 @@ class KVPolicy:
         seq.table.release()
         seq.last_logits = None
 
-    def evict(self, seq: Sequence, preempted: bool = False) -> None:
+    def evict(self, seq: Sequence, preempted: bool = False, family_busy: bool = False) -> None:
         """Move the sequence out of the pool: its KV to the tier (for a
-        preempted one, only when copying beats recomputing), then release."""
+        preempted one, only when copying beats recomputing), then release.
+        family_busy: a fork of the same session is working its turn; the
+        tier's entry is that fork's to keep (this one's tokens are older)."""
         if self.tier is not None and seq.table.length and (not preempted or self._copy_beats_recompute(seq.table.length)):
-            self.tier.offload(seq.key, seq.namespace, seq.tokens, seq.table)
+            self.tier.offload(seq.key, seq.namespace, seq.tokens, seq.table, replace=not family_busy)
         self.release(seq)
 
     def _copy_beats_recompute(self, tokens: int) -> bool:
@@ -111,10 +113,12 @@ class KVPolicy:
             seq.last_logits = None
         return restored
 
-    def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False) -> bool:
+    def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False,
+                  busy_keys: frozenset[str] = frozenset()) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
         sequences past their pin in the retention policy's order (with
-        soft_pins, then those still inside a finite pin). Whether enough are free."""
+        soft_pins, then those still inside a finite pin). busy_keys: the tier
+        keys of sequences with a request. Whether enough are free."""
         if self.pool.num_free >= pages:
             return True
         if self.radix is not None:
@@ -128,7 +132,7 @@ class KVPolicy:
         for seq in order:
             if self.pool.num_free >= pages:
                 break
-            self.evict(seq)
+            self.evict(seq, family_busy=seq.key in busy_keys)
             if self.radix is not None:
                 self.radix.evict(pages - self.pool.num_free)
         if soft_pins and self.radix is not None and self.pool.num_free < pages:

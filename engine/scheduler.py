@@ -351,7 +351,11 @@ class Scheduler:
         """Apply the KV policy (engine.kv_policy) until `pages` are free,
         preempting nothing. Whether they are."""
         with self.lock:
-            return self.policy.make_room(pages, [s for s in self.sequences.all if not s.busy], soft_pins)
+            if self.pool.num_free >= pages:
+                return True
+            everyone = self.sequences.all
+            return self.policy.make_room(pages, [s for s in everyone if not s.busy], soft_pins,
+                                         frozenset(s.key for s in everyone if s.busy))
 
     def _secure(self, pages: int, req: Request, scheduled: set[Request]) -> bool:
         """Make `pages` free for req: the KV policy's idle pages first, then

@@ -245,3 +245,19 @@ def test_a_restore_without_room_for_all_of_it_waits_for_the_rest(reference):
     assert torch.equal(ra.logits[-1][-1], expected_logits(alone, prompt, more)[-1])
     a.close()
     b.close()
+
+
+def test_a_session_leaving_after_its_turn_fork_keeps_the_forks_longer_entry(reference):
+    """The fork working a turn shares the session's tier entry; the session
+    leaving the pool after it (its tokens a prefix of the fork's) must not
+    cut the entry back to its own."""
+    engine = tiered(reference)
+    with engine.session() as s:
+        s.append(ids(40, 40))
+        f = s.fork_for_turn()
+        f.append(ids(24, 41))
+        f.park()
+        assert engine.tier.tokens_held(s.key) == 64
+        s.park()
+        assert engine.tier.tokens_held(s.key) == 64
+        f.close()
