@@ -166,7 +166,10 @@ class KVTier:
             new_bytes = (n - start) * self.token_bytes
             kept_bytes = sum(p.nbytes for p in e.pieces if p.parts is not None) if e is not None else 0
             if kept_bytes + new_bytes > self.host_bytes or not self._fit(new_bytes, protect=key):
-                if e is not None:
+                if e is not None and e.persistent:  # what it still holds stays saved
+                    e.tokens = e.tokens[:start]
+                    self._write(e)
+                elif e is not None:
                     self._drop(e)
                 self.counters.refused += 1
                 return False
@@ -376,6 +379,8 @@ class KVTier:
             e = self._entries.get(key)
             if e is None:
                 return False
+            if e.persistent:
+                return True  # its offloads already write through
             e.persistent = True
             if not self._write(e):
                 e.persistent = False
