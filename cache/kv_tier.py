@@ -148,7 +148,7 @@ class KVTier:
         with self._lock:
             e = self._entries.get(key)
             if e is not None and e.namespace != namespace:
-                self._drop(e)
+                self._drop(e, for_room=False)
                 e = None
             keep = 0
             if e is not None:
@@ -225,7 +225,7 @@ class KVTier:
                 parts = [self._load(e, p) for p in e.pieces[first:last]]
             except CorruptKV as err:
                 self._report(f"session KV {key}: {err}; it recomputes")
-                self._drop(e)
+                self._drop(e, for_room=False)
                 return 0
             kv = torch.cat([kv_codec.decode(p, self.pool.kv.dtype) for p in parts])[start - first * ps : end - first * ps]
             self._touch(e)
@@ -278,7 +278,7 @@ class KVTier:
                 with self._lock:
                     if self._entries.get(key) is e and p in e.pieces:  # not a file a rewrite removed meanwhile
                         self._report(f"session KV {key}: {err}; it recomputes")
-                        self._drop(e)
+                        self._drop(e, for_room=False)
                 return
             with self._lock:
                 if self._entries.get(key) is not e or p not in e.pieces or p.parts is not None:
@@ -320,11 +320,11 @@ class KVTier:
         p.parts = None
         p.file = None
 
-    def _drop(self, e: _Entry) -> None:
+    def _drop(self, e: _Entry, for_room: bool = True) -> None:
         for p in e.pieces:
             self._forget_piece(p)
         self._entries.pop(e.key, None)
-        self.counters.dropped += 1
+        self.counters.dropped += for_room
         if self.disk is not None:
             self.disk.remove(e.key)
 
@@ -333,8 +333,7 @@ class KVTier:
         with self._lock:
             e = self._entries.get(key)
             if e is not None and (persistent or not e.persistent):
-                self._drop(e)
-                self.counters.dropped -= 1  # asked for, not given up for room
+                self._drop(e, for_room=False)
 
     def _touch(self, e: _Entry) -> None:
         self._clock += 1

@@ -89,8 +89,8 @@ class Engine:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.retention = policy.retention
-        # KV persisted by an earlier run (verified; what fails is reported and recomputes).
-        self.persisted_keys = self.tier.load() if self.tier is not None else []
+        if self.tier is not None:  # KV persisted by an earlier run: verified; what fails is reported and recomputes
+            self.tier.load()
         self.prefix_match = prefix_match
         # Plain LRU pins nothing: every idle session may give way at once.
         self.pin_ttl = 0.0 if config.mode == "lru" else pin_ttl

@@ -78,7 +78,6 @@ def release_session(request: Request, session_id: SessionPath) -> SessionInfo:
 @router.post("/{session_id}/restore")
 def restore_session(request: Request, session_id: SessionPath) -> SessionInfo:
     sessions = _api(request).sessions
-    sessions.info(session_id)  # 404 before anything moves
     with sessions.lease(session_id) as lease:
         lease.session.prefetch()
     return sessions.info(session_id)
