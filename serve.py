@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from cache.kv_codec import CODECS
+from engine.api.quotas import Quotas
+from engine.api.tenants import ApiKeys, ApiKeysError
 from engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTES
 from engine.limits import Limits
 from engine.retention import MODES, RetentionConfig
@@ -50,6 +53,26 @@ def serve(argv: list[str]) -> None:
                         help="live sessions; past it the longest idle one is closed")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
+    access = parser.add_argument_group("tenants", "who may use the server, and how much of it each tenant may hold")
+    access.add_argument("--api-key", action="append", default=[],
+                        help="a key clients send as `Authorization: Bearer KEY`; repeatable, each its own tenant "
+                             "(none, and no --api-keys-file: the server is open to anyone who reaches it)")
+    access.add_argument("--api-keys-file", default=None,
+                        help="lines of `key tenant-name` (several keys may name one tenant); read again on SIGHUP")
+    access.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    q = Quotas()
+    access.add_argument("--tenant-max-sessions", type=int, default=q.max_sessions, help="live named sessions")
+    access.add_argument("--tenant-max-responses", type=int, default=q.max_responses,
+                        help="stored Responses API responses")
+    access.add_argument("--tenant-max-concurrent", type=int, default=q.max_concurrent,
+                        help="requests in flight, streams included")
+    access.add_argument("--tenant-max-kv-pages", type=int, default=None,
+                        help="KV pages its sessions and stored responses hold in the pool and the second tier "
+                             "(default: no quota beyond what there is)")
+    access.add_argument("--max-request-bytes", type=int, default=q.max_body_bytes, help="one request body")
+    access.add_argument("--default-max-tokens", type=int, default=None,
+                        help="a request's max_tokens when it names none (default: the model's generation config's "
+                             "max_new_tokens, else 4096; never past the context)")
     kv = parser.add_argument_group("KV tiers", "what stays in the pool between turns, and where the rest goes")
     kv.add_argument("--kv-retention", choices=MODES, default="tool",
                     help="tool: a session awaiting a tool keeps its KV for as long as that tool usually takes "
@@ -90,7 +113,11 @@ def serve(argv: list[str]) -> None:
         limits = Limits(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=min(args.prefill_chunk, args.max_num_batched_tokens), max_queue=args.max_queue, max_sessions=args.max_sessions,
                         session_idle_timeout=args.session_idle_timeout)
-    except ValueError as e:
+        quotas = Quotas(max_sessions=args.tenant_max_sessions, max_responses=args.tenant_max_responses,
+                        max_concurrent=args.tenant_max_concurrent, max_kv_pages=args.tenant_max_kv_pages,
+                        max_body_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens)
+        keys = ApiKeys.from_args(args.api_key, args.api_keys_file)
+    except (ValueError, OSError) as e:  # ApiKeysError is a ValueError
         parser.error(str(e))
     engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
@@ -102,12 +129,28 @@ def serve(argv: list[str]) -> None:
              engine.pool.num_pages, engine.pool.page_size)
     if args.state_dir and engine.tier is None:
         parser.error("--state-dir keeps KV in the second tier: --kv-offload-gb must be > 0")
-    app = create_app(engine, name, args.max_stored_responses, args.state_dir)
+    app = create_app(engine, name, args.max_stored_responses, args.state_dir, keys=keys, quotas=quotas,
+                     public_metrics=args.public_metrics)
+    if keys.open:
+        log.warning("no API keys configured: the server is open to anyone who can reach it (one tenant)")
+    else:
+        log.info("%d API keys; every endpoint but /health%s needs one", len(keys),
+                 " and /metrics" if args.public_metrics else "")
+    if args.api_keys_file:
+        signal.signal(signal.SIGHUP, lambda *_: _reload(keys))
     if args.state_dir:
         log.info("resumed %d saved sessions from %s", len(app.state.api.sessions), args.state_dir)
         for line in app.state.api.sessions.reports():
             log.warning("%s", line)
     uvicorn.run(app, host=args.host, port=args.port)
+
+
+def _reload(keys: ApiKeys) -> None:
+    try:
+        keys.reload()
+        log.info("API keys reloaded from %s: %d keys", keys.file, len(keys))
+    except (ApiKeysError, OSError) as e:
+        log.error("API keys not reloaded, the old ones stay: %s", e)
 
 
 def main(argv: list[str]) -> None:

@@ -51,9 +51,11 @@ class ChatTurn:
         parallel_tool_calls: bool = True,
         on_tokens: OnTokens | None = None,
         on_done: OnDone | None = None,
+        namespace: str = "default",
         **sampling,
     ) -> "ChatTurn":
-        """Render, diff against the session and queue the turn's request."""
+        """Render, diff against the session and queue the turn's request.
+        Without a session, the turn runs on a temporary one in namespace."""
         if engine.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
         grammar = request_grammar(engine, tools, tool_choice, response_format, parallel_tool_calls)
@@ -62,7 +64,7 @@ class ChatTurn:
             raise InvalidRequestError("the rendered prompt is empty")
         if len(prompt) >= engine.max_context:
             raise ContextLengthError(f"the prompt's {len(prompt)} tokens leave no room in the context of {engine.max_context}")
-        work = session.fork_for_turn() if session is not None else engine.session()
+        work = session.fork_for_turn() if session is not None else engine.session(namespace)
         try:
             reused = 0 if engine.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
             work.truncate(reused)

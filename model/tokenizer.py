@@ -192,8 +192,11 @@ class Tokenizer:
         chat_templates: dict[str, str] | None = None,
         special_tokens: dict[str, str] | None = None,
         extra_eos_token_ids: list[int] | None = None,
+        max_new_tokens: int | None = None,
     ):
         self.backend = backend
+        # generation_config.json's budget for one reply: the server's default max_tokens.
+        self.max_new_tokens = max_new_tokens
         self.chat_templates = chat_templates or {}
         self.special_tokens = special_tokens or {}
         eos = self.special_tokens.get("eos_token")
@@ -220,7 +223,10 @@ class Tokenizer:
         generation = _read_json(generation_file) if generation_file.is_file() else {}
         eos_ids = generation.get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
-        return cls(backend, _chat_templates(path, config), _special_tokens(config, special_tokens_map), eos_ids)
+        budget = generation.get("max_new_tokens")
+        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0 else None
+        return cls(backend, _chat_templates(path, config), _special_tokens(config, special_tokens_map), eos_ids,
+                   budget)
 
     def _required_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)

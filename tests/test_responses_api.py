@@ -14,11 +14,13 @@ from fastapi.testclient import TestClient
 
 from engine import Engine
 from engine.api import create_app
-from engine.api.responses import tenant_of
+from engine.api.tenants import ApiKeys
 from tests.conftest import assert_all_pages_free
 
 MODEL = "agentkv-test"
 KEY = "tenant-a"
+# Each key its own tenant (a key names the tenant of the same name).
+KEYS = ApiKeys({key: key for key in (KEY, "tenant-b", "tenant-evict")})
 GEN = 40
 TOOL = {
     "type": "function", "name": "get_weather", "description": "The current weather in a city.",
@@ -34,7 +36,7 @@ def ask(city: str) -> dict:
 class Server:
     def __init__(self, engine: Engine, http: TestClient):
         self.engine, self.http = engine, http
-        self.store = http.app.state.responses
+        self.store = http.app.state.api.responses
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=self.http, max_retries=0)
@@ -48,7 +50,7 @@ class Server:
         return self.client().chat.completions.create(messages=messages, **kwargs)
 
     def session(self, response_id: str, key: str = KEY):
-        return self.store.get(response_id, tenant_of(f"Bearer {key}", "default")).session
+        return self.store.get(response_id, key).session
 
     def post(self, body: dict, key: str = KEY) -> httpx.Response:
         return self.http.post("/v1/responses", json=body, headers={"Authorization": f"Bearer {key}"})
@@ -57,7 +59,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     engine = Engine.from_pretrained(num_pages=1024)
-    with TestClient(create_app(engine, MODEL)) as http:
+    with TestClient(create_app(engine, MODEL, keys=KEYS)) as http:
         yield Server(engine, http)
     # Shutdown closed every stored response: only the prefix cache may hold pages.
     assert_all_pages_free(engine)
@@ -268,7 +270,7 @@ def test_retrieve_list_input_items_and_delete(server):
 
 def test_least_recently_used_responses_expire_past_the_cap():
     engine = Engine.from_pretrained(num_pages=512)
-    with TestClient(create_app(engine, MODEL, max_stored_responses=2)) as http:
+    with TestClient(create_app(engine, MODEL, max_stored_responses=2, keys=KEYS)) as http:
         server = Server(engine, http)
         a = server.respond([ask("Nuuk")], max_output_tokens=4)
         b = server.respond([ask("Baku")], max_output_tokens=4)

@@ -45,7 +45,10 @@ class Server:
         return httpx.Client(base_url=self.url, timeout=60)
 
     def session_info(self, session_id: str) -> dict:
-        return self.app.state.api.sessions.info(session_id).model_dump()
+        with self.http() as http:
+            response = http.get(f"/v1/sessions/{session_id}")
+        response.raise_for_status()
+        return response.json()
 
     def wait_idle(self) -> None:
         """Until no generation runs (a disconnected stream's may go on)."""

@@ -5,6 +5,10 @@ API under /v1/responses, GET /v1/models, GET /v1/models/{model}, GET /health,
 GET /metrics, and the session endpoints under /v1/sessions. The engine's
 scheduler runs while the app does, so that requests from every handler batch
 into shared forwards.
+
+Every request but GET /health (and /metrics, if made public) passes the gate
+(engine.api.gate): with API keys configured, a missing or unknown key is a
+401; each tenant's requests in flight and every body's size are bounded.
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.api import chat, completions, responses, session_routes
 from engine.api.errors import install_error_handlers
+from engine.api.gate import Gate
 from engine.api.metrics import RequestCounter
-from engine.api.response_files import ResponseFiles
+from engine.api.quotas import Quotas
 from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from engine.api.schemas import ModelCard, ModelList
 from engine.api.state import ApiState
+from engine.api.tenants import ApiKeys
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -32,11 +38,14 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
-               state_dir: str | Path | None = None) -> FastAPI:
+               state_dir: str | Path | None = None, *, keys: ApiKeys | None = None, quotas: Quotas | None = None,
+               public_metrics: bool = False) -> FastAPI:
     """state_dir: keep named sessions across restarts (their KV in the
-    engine's disk tier, which must be under it or elsewhere on disk)."""
-    api = ApiState.for_engine(engine, model_name, state_dir)
-    store = ResponseStore(max_stored_responses, ResponseFiles(state_dir) if state_dir is not None else None)
+    engine's disk tier, which must be under it or elsewhere on disk).
+    keys: the API keys and their tenants (none: open to all). quotas: what
+    each tenant may hold and use. public_metrics: /metrics without a key."""
+    api = ApiState.for_engine(engine, model_name, state_dir, max_stored_responses, keys, quotas)
+    store = api.responses
     if state_dir is not None:
         _resume(engine, api, store)
 
@@ -53,9 +62,10 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
 
     app = FastAPI(title="agentkv", description="OpenAI-compatible API of a stateful engine", lifespan=lifespan)
     app.state.api = api
-    app.state.responses = store
     install_error_handlers(app)
-    app.add_middleware(RequestCounter, metrics=api.metrics)
+    public = frozenset({"/health", "/metrics"} if public_metrics else {"/health"})
+    app.add_middleware(Gate, keys=api.keys, quotas=api.quotas, public_paths=public)
+    app.add_middleware(RequestCounter, metrics=api.metrics)  # outside the gate: refusals are counted too
     for module in (chat, completions, responses, session_routes):
         app.include_router(module.router)
 

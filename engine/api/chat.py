@@ -5,7 +5,8 @@ the conversation to a persistent engine session, made on first use. Each turn
 re-sends the whole history; the engine reuses the longest common prefix with
 what the session holds and computes only the rest, so an edited or
 re-rendered history costs a recompute from the first difference, never a
-wrong answer. Without an id, each request gets a fresh session of its own.
+wrong answer. Without an id, each request gets a fresh session of its own,
+in its tenant's namespace: the prefix cache finds only that tenant's KV.
 
 Streaming: the engine's per-step tokens are decoded incrementally into
 content deltas; tool calls go out as one tool_calls chunk at the end, then
@@ -60,6 +61,7 @@ from engine.api.schemas import (
 from engine.api.sessions import Lease
 from engine.api.sse import DONE, error_event, event, event_stream
 from engine.api.state import ApiState
+from engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter()
 
@@ -136,8 +138,9 @@ async def chat_completions(
     messages = [template_message(m) for m in body.messages]
     max_tokens = pick_max_tokens(body)
     text = ReplyText(api.tokenizer, body.stops(), api.tool_format if use_tools else None)
+    tenant = tenant_of(request)
     gen = await Generation.begin(lambda on_tokens, on_done: _Turn.begin(
-        api, session_id, body, messages, tools, max_tokens, on_tokens, on_done))
+        api, tenant, session_id, body, messages, tools, max_tokens, on_tokens, on_done))
     meta = ChunkMeta(body.model)
     if not body.stream:
         return _completion(meta, text, await gen.result_unless_gone(request), api.stop_ids)
@@ -153,11 +156,12 @@ class _Turn:
 
     @classmethod
     def begin(
-        cls, api: ApiState, session_id: str | None, body: ChatCompletionRequest, messages: list[dict],
-        tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
+        cls, api: ApiState, tenant: Tenant, session_id: str | None, body: ChatCompletionRequest,
+        messages: list[dict], tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
     ) -> "_Turn":
         start = time.perf_counter()
-        lease = api.sessions.lease(session_id, create=True) if session_id else None
+        api.check_kv_quota(tenant)
+        lease = api.sessions.lease(tenant, session_id, create=True, cache_salt=body.cache_salt) if session_id else None
         try:
             # Rendered here only to check the budget: start_chat renders again.
             prompt = api.tokenizer.apply_chat_template(messages, tools=tools)
@@ -165,7 +169,8 @@ class _Turn:
             turn = api.engine.start_chat(
                 messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
-                ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done, **constraints(body),
+                ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
+                namespace=tenant.namespace(body.cache_salt), **constraints(body),
             )
         except BaseException:  # nothing was queued: nothing else will release the lease
             if lease is not None:

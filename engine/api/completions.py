@@ -1,8 +1,8 @@
 """POST /v1/completions: raw text (or token ids) in, text out.
 
 Each request runs on a temporary session of its own, closed when it ends; the
-prefix cache still finds what earlier requests computed, and reports it as
-cached tokens. Streaming and disconnects (which cancel the request) behave
+prefix cache still finds what earlier requests of its tenant (and
+cache_salt) computed, and reports it as cached tokens. Streaming and disconnects (which cancel the request) behave
 as for chat completions.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from engine.api.replies import ReplyText
 from engine.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from engine.api.sse import DONE, error_event, event, event_stream
 from engine.api.state import ApiState
+from engine.api.tenants import Tenant, tenant_of
 from engine.request import OnDone, OnTokens, Request as EngineRequest
 
 router = APIRouter()
@@ -41,7 +42,8 @@ async def completions(body: CompletionRequest, request: Request):
     api.check_model(body.model)
     api.check_supported(body.unsupported())
     text = ReplyText(api.tokenizer, body.stops(), None)
-    gen = await Generation.begin(lambda on_tokens, on_done: _Completion.begin(api, body, on_tokens, on_done))
+    tenant = tenant_of(request)
+    gen = await Generation.begin(lambda on_tokens, on_done: _Completion.begin(api, tenant, body, on_tokens, on_done))
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
     def completion(choice: CompletionChoice | None, usage: Usage | None = None) -> Completion:
@@ -80,13 +82,15 @@ class _Completion:
         self.api, self.prompt_len, self.session, self.req, self.start = api, prompt_len, session, req, start
 
     @classmethod
-    def begin(cls, api: ApiState, body: CompletionRequest, on_tokens: OnTokens, on_done: OnDone) -> "_Completion":
+    def begin(cls, api: ApiState, tenant: Tenant, body: CompletionRequest, on_tokens: OnTokens,
+              on_done: OnDone) -> "_Completion":
         start = time.perf_counter()
+        api.check_kv_quota(tenant)
         prompt = api.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         max_tokens = api.max_tokens(len(prompt), body.max_tokens)
-        session = api.engine.session(api.sessions.namespace)
+        session = api.engine.session(tenant.namespace(body.cache_salt))
         try:
             session.queue(prompt)
             req = session.start_generate(

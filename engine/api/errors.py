@@ -2,10 +2,11 @@
 
 Every engine error leaves sessions and the pool as they were, so each maps to a
 status that tells the client whether retrying can help:
-400 malformed, 404 unknown session or model, 409 busy session, 413 beyond the
-model's context or the KV pool's size, 429 (with Retry-After) a full queue or
-session table, 503 (with Retry-After) out of KV cache pages now, 499 a request
-cancelled because its client went away, 500 otherwise.
+400 malformed, 401 missing or unknown API key, 404 unknown session or model,
+409 busy session, 413 beyond the model's context, the KV pool's size or the
+body limit, 429 a tenant's quota or (with Retry-After) a full queue or
+session table, 503 (with Retry-After) out of KV cache pages now, 499 a
+request cancelled because its client went away, 500 otherwise.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, TypeVar
 
 log = logging.getLogger("agentkv.state")
 
-VERSION = 1
+VERSION = 2  # 2: records name their tenant and namespace
 T = TypeVar("T")
 
 

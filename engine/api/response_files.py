@@ -2,7 +2,7 @@
 previous_response_id made before a restart still continues after it.
 
 One record per stored response under <state>/responses
-(engine.api.json_files): the response, its tenant, its input items, the
+(engine.api.json_files): the response, its tenant and KV namespace, its input items, the
 whole conversation up to its reply (so a record stands alone: an expired
 predecessor takes nothing with it), the text its session's tokens spell,
 and the session's tokens and tier key. Written once the session's KV was
@@ -24,6 +24,7 @@ RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
 class SavedResponse:
     response: dict
     tenant: str
+    namespace: str
     input_items: list[dict]
     conversation: list[dict]
     held_text: str
@@ -48,7 +49,7 @@ class ResponseFiles:
 
     def save(self, s: SavedResponse) -> None:
         self.files.write(_name(s.response["id"]), {
-            "response": s.response, "tenant": s.tenant, "input_items": s.input_items,
+            "response": s.response, "tenant": s.tenant, "namespace": s.namespace, "input_items": s.input_items,
             "conversation": s.conversation, "held_text": s.held_text, "key": s.key, "tokens": s.tokens,
             "order": s.order})
 
@@ -58,7 +59,7 @@ class ResponseFiles:
     def load(self, vocab_size: int) -> list[SavedResponse]:
         def parse(b: dict) -> SavedResponse:
             _name(b["response"]["id"])
-            return SavedResponse(b["response"], str(b["tenant"]), list(b["input_items"]), list(b["conversation"]),
+            return SavedResponse(b["response"], str(b["tenant"]), str(b["namespace"]), list(b["input_items"]), list(b["conversation"]),
                                  str(b["held_text"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
                                  int(b["order"]))
         return sorted(self.files.read_all(parse), key=lambda s: s.order)

@@ -10,10 +10,13 @@ tokens stay, and the next fork re-matches them (what is no longer cached is
 recomputed). A response belongs to the tenant that made it: to any other one
 it does not exist (404).
 
-Retention: the store keeps at most `max_responses`; past that the least
-recently used one expires (its session closes, its id answers 404). The
-responses continued from it keep working: each holds its own session, and the
-conversation's messages stay reachable through them.
+Retention: a tenant may hold at most `max_per_tenant` (a store=true request
+past it is a 429, before anything is computed), and the store at most
+`max_responses`; past that the least recently used response of the tenant
+holding the most expires (its session closes, its id answers 404), so that
+no tenant's use expires another's responses while it holds more. The
+responses continued from an expired one keep working: each holds its own
+session, and the conversation's messages stay reachable through them.
 
 With a state directory (engine.api.response_files) each stored response is
 saved as it is stored, and a new store resumes what an earlier one saved.
@@ -23,12 +26,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.api.errors import not_found
 from engine.api.held_text import HeldText
+from engine.api.quotas import check_held
 from engine.api.response_files import ResponseFiles, SavedResponse
 from engine.api.responses_schemas import Response
 from engine.errors import EngineError
@@ -84,12 +88,15 @@ DEFAULT_MAX_RESPONSES = 4096
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, files: ResponseFiles | None = None) -> None:
+    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, files: ResponseFiles | None = None,
+                 max_per_tenant: int | None = None) -> None:
         if max_responses < 1:
             raise ValueError("max_responses must be at least 1")
         self.max_responses = max_responses
+        self.max_per_tenant = max_per_tenant
         self.files = files
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
+        self._held: Counter[str] = Counter()  # stored responses by tenant
         self._lock = threading.Lock()
         self._closed = False
         self._running = 0
@@ -102,11 +109,12 @@ class ResponseStore:
         saved = self.files.load(engine.model.cfg.vocab_size)
         self._order = itertools.count(saved[-1].order + 1 if saved else 0)  # what is saved next is newer
         for s in saved[-self.max_responses:]:
-            session = engine.session(s.tenant, tokens=s.tokens, key=s.key)
+            session = engine.session(s.namespace, tokens=s.tokens, key=s.key)
             entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
                                    None, HeldText(None, s.held_text), session)
             with self._lock:
                 self._entries[entry.id] = entry
+                self._held[entry.tenant] += 1
         for s in saved[: -self.max_responses]:
             self.files.delete(s.response["id"])
         with self._lock:
@@ -118,7 +126,8 @@ class ResponseStore:
         s = entry.session
         try:
             s.save()
-            self.files.save(SavedResponse(entry.response.model_dump(mode="json"), entry.tenant, entry.input_items,
+            self.files.save(SavedResponse(entry.response.model_dump(mode="json"), entry.tenant, s.namespace,
+                                          entry.input_items,
                                           entry.conversation(), entry.held.text(), s.key, s.tokens, next(self._order)))
         except (EngineError, OSError) as e:  # it serves on; only its saved copy is missing
             log.warning("response %s was not saved: %s", entry.id, e)
@@ -141,6 +150,17 @@ class ResponseStore:
     def running(self) -> int:
         """Requests generating a response now (the server drains them before closing the store)."""
         return self._running
+
+    def sessions_of(self, tenant: str) -> list["Session"]:
+        with self._lock:
+            return [e.session for e in self._entries.values() if e.tenant == tenant]
+
+    def check_quota(self, tenant: str) -> None:
+        """429 if the tenant holds as many responses as it may (before a store=true request computes anything)."""
+        with self._lock:
+            held = self._held[tenant]
+        check_held("stored responses", held, self.max_per_tenant,
+                   "delete one (DELETE /v1/responses/{id}) or send store=false")
 
     def enter(self) -> None:
         """A response has begun generating (leave() when it is finished)."""
@@ -169,8 +189,12 @@ class ResponseStore:
             closed = self._closed
             if not closed:
                 self._entries[entry.id] = entry
+                self._held[entry.tenant] += 1
+                # Requests admitted together can overshoot the tenant's quota: its own oldest give way.
+                while self.max_per_tenant is not None and self._held[entry.tenant] > self.max_per_tenant:
+                    expired.append(self._expire_one(entry.tenant))
                 while len(self._entries) > self.max_responses:
-                    expired.append(self._entries.popitem(last=False)[1])
+                    expired.append(self._expire_one(max(self._held, key=self._held.__getitem__)))
         if closed:  # the server is shutting down: nobody can continue it
             entry.close()
         else:
@@ -182,10 +206,23 @@ class ResponseStore:
         with self._lock:
             entry = self._lookup(response_id, tenant)
             del self._entries[response_id]
+            self._uncount(entry.tenant)
         self._forget(entry)
+
+    def _expire_one(self, tenant: str) -> StoredResponse:
+        """The tenant's least recently used response, out of the store."""
+        response_id = next(k for k, e in self._entries.items() if e.tenant == tenant)
+        self._uncount(tenant)
+        return self._entries.pop(response_id)
+
+    def _uncount(self, tenant: str) -> None:
+        self._held[tenant] -= 1
+        if not self._held[tenant]:
+            del self._held[tenant]
 
     def close_all(self) -> None:
         with self._lock:
-            entries, self._entries, self._closed = list(self._entries.values()), {}, True
+            entries, self._entries, self._closed = list(self._entries.values()), OrderedDict(), True
+            self._held.clear()
         for entry in entries:
             entry.close()

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 class TurnRequest:
     body: ResponsesRequest
     items: list[Item]
-    tenant: str  # also the namespace of its sessions: no KV is shared across tenants
+    tenant: str
+    namespace: str  # of its sessions: the tenant's, salted; no KV is shared across namespaces
     previous: StoredResponse | None
     shell: Response  # the response as created: in progress, no output yet
     message_id: str  # of the reply's message item, named before it is written (streaming)
@@ -100,7 +101,7 @@ class ResponseTurn:
         p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools)
         max_tokens = api.max_tokens(p.prompt_len, turn.body.max_output_tokens)
         grammar = turn.grammar(api.engine)
-        session = p.base.fork() if p.base else api.engine.session(turn.tenant)
+        session = p.base.fork() if p.base else api.engine.session(turn.namespace)
         try:
             session.queue(p.delta_ids)
             body = turn.body

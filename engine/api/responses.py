@@ -6,18 +6,19 @@ it as previous_response_id sends only the new items, and only their tokens are
 computed (see response_turn). A response can be continued any number of times,
 each continuation on a fork of its session. Unknown, deleted, unstored
 (store=false) and other tenants' responses are 404s. The tenant is the API
-key (a hash of the bearer token; none: the server's default namespace).
+key's (engine.api.tenants); a response's KV is in its tenant's namespace,
+salted with the request's cache_salt, and a continuation must carry the
+same cache_salt (400 otherwise).
 
 A response is stored once it is complete: while it is generating, GET answers
 404. An error leaves every stored response as it was.
 """
 from __future__ import annotations
 
-import hashlib
 import secrets
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Query, Request
 
 from engine.api.errors import APIError
 from engine.api.generation import Generation
@@ -29,14 +30,9 @@ from engine.api.responses_schemas import InputItemList, NamedFunctionChoice, Res
 from engine.api.responses_stream import response_events
 from engine.api.sse import event_stream
 from engine.api.state import ApiState
+from engine.api.tenants import tenant_of
 
 router = APIRouter(prefix="/v1/responses")
-Authorization = Annotated[str | None, Header()]
-
-
-def tenant_of(authorization: str | None, default: str) -> str:
-    key = authorization.removeprefix("Bearer ").strip() if authorization else ""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else default
 
 
 def _api(request: Request) -> ApiState:
@@ -44,15 +40,11 @@ def _api(request: Request) -> ApiState:
 
 
 def _store(request: Request) -> ResponseStore:
-    return request.app.state.responses
+    return _api(request).responses
 
 
-def _tenant(request: Request, authorization: str | None) -> str:
-    return tenant_of(authorization, _api(request).sessions.namespace)
-
-
-def _entry(request: Request, response_id: str, authorization: str | None) -> StoredResponse:
-    return _store(request).get(response_id, _tenant(request, authorization))
+def _entry(request: Request, response_id: str) -> StoredResponse:
+    return _store(request).get(response_id, tenant_of(request).name)
 
 
 def check_tool_choice(body: ResponsesRequest) -> None:
@@ -64,16 +56,21 @@ def check_tool_choice(body: ResponsesRequest) -> None:
 
 
 @router.post("", response_model=None)
-async def create_response(body: ResponsesRequest, request: Request, authorization: Authorization = None):
-    api = _api(request)
+async def create_response(body: ResponsesRequest, request: Request):
+    api, store, tenant = _api(request), _store(request), tenant_of(request)
     api.check_model(body.model)
     check_tool_choice(body)
-    tenant = _tenant(request, authorization)
-    previous = _store(request).get(body.previous_response_id, tenant) if body.previous_response_id else None
-    response_id = "resp_" + secrets.token_hex(12)
-    turn = TurnRequest(body, body.items(), tenant, previous, shell(body, response_id), new_item_id("message"))
+    if body.store:
+        store.check_quota(tenant.name)
+    api.check_kv_quota(tenant)
+    namespace = tenant.namespace(body.cache_salt)
+    previous = store.get(body.previous_response_id, tenant.name) if body.previous_response_id else None
+    if previous is not None and previous.session.namespace != namespace:
+        raise APIError(400, f"response {previous.id!r} was made with another cache_salt", param="cache_salt")
+    response_id = "resp_" + secrets.token_hex(16)
+    turn = TurnRequest(body, body.items(), tenant.name, namespace, previous, shell(body, response_id),
+                       new_item_id("message"))
     text = ReplyText(api.tokenizer, (), api.tool_format if turn.tools else None)
-    store = _store(request)
     gen = await Generation.begin(lambda on_tokens, on_done: ResponseTurn.begin(api, store, turn, on_tokens, on_done))
     if not body.stream:
         return (await gen.result_unless_gone(request)).response
@@ -82,13 +79,13 @@ async def create_response(body: ResponsesRequest, request: Request, authorizatio
 
 
 @router.get("/{response_id}")
-def read_response(request: Request, response_id: str, authorization: Authorization = None) -> Response:
-    return _entry(request, response_id, authorization).response
+def read_response(request: Request, response_id: str) -> Response:
+    return _entry(request, response_id).response
 
 
 @router.delete("/{response_id}")
-def delete_response(request: Request, response_id: str, authorization: Authorization = None) -> ResponseDeleted:
-    _store(request).delete(response_id, _tenant(request, authorization))
+def delete_response(request: Request, response_id: str) -> ResponseDeleted:
+    _store(request).delete(response_id, tenant_of(request).name)
     return ResponseDeleted(id=response_id)
 
 
@@ -96,12 +93,11 @@ def delete_response(request: Request, response_id: str, authorization: Authoriza
 def list_input_items(
     request: Request,
     response_id: str,
-    authorization: Authorization = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> InputItemList:
-    items = _entry(request, response_id, authorization).input_items
+    items = _entry(request, response_id).input_items
     items = items[::-1] if order == "desc" else items
     ids = [item["id"] for item in items]
     if after is not None and after not in ids:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from engine.api.schemas import RequestBody
+from engine.api.schemas import CacheSalt, RequestBody
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
@@ -105,6 +105,7 @@ class ResponsesRequest(RequestBody):
     truncation: Literal["disabled"] | None = None
     # An extra sampling field, as vLLM accepts it: generate past EOS (benchmarks).
     ignore_eos: bool = False
+    cache_salt: CacheSalt | None = None
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
         if isinstance(self.input, str):

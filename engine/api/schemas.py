@@ -2,8 +2,9 @@
 
 Requests are strict and closed (`extra="forbid"`): a wrong type or an unknown
 field is a 400, as at OpenAI, rather than a silently ignored option. The one
-extra field is `session_id`, which pins a conversation to a persistent engine
-session. Fields OpenAI documents that this engine cannot honour yet are
+extra fields are `session_id`, which pins a conversation to a persistent engine
+session, and vLLM's `cache_salt`, which isolates the prefix cache of the
+requests that carry it from those of the rest of their tenant. Fields OpenAI documents that this engine cannot honour yet are
 accepted only at their neutral value (see `unsupported`).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 # OpenAI allows up to 4 stop sequences.
 Stop = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
 
@@ -136,6 +138,7 @@ class Sampling(RequestBody):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     # An extra sampling field, as vLLM accepts it: generate past EOS (benchmarks).
     ignore_eos: bool = False
+    cache_salt: CacheSalt | None = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -191,6 +194,7 @@ class CompletionRequest(Sampling):
 
 class SessionCreateRequest(RequestBody):
     session_id: SessionId | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class TruncateRequest(RequestBody):

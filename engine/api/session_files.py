@@ -2,7 +2,7 @@
 resume each one.
 
 One record per session under <state>/sessions (engine.api.json_files): its
-id, namespace, tier key, tokens and turn records, replaced after every
+tenant, id, namespace, tier key, tokens and turn records, replaced after every
 change a lease covered, and only after the session's KV was written through
 to the second tier's disk (cache.kv_tier), so a kill -9 at any moment leaves
 the last completed state of each session, whose KV is on disk or, where it
@@ -10,16 +10,19 @@ is not, is recomputed.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.api.json_files import JsonFiles
 from engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
+from engine.api.tenants import TENANT_NAME
 
 
 @dataclass(frozen=True)
 class SavedSession:
+    tenant: str
     session_id: str
     namespace: str
     key: str
@@ -34,9 +37,13 @@ def check_tokens(tokens: object, vocab_size: int) -> list[int]:
     return tokens
 
 
+def _name(tenant: str, session_id: str) -> str:
+    """One file per (tenant, id): two tenants may use one id."""
+    return hashlib.sha256(f"{tenant}\0{session_id}".encode()).hexdigest()[:32]
+
+
 class SessionFiles:
     def __init__(self, root: str | Path):
-        # Ids match SESSION_ID_PATTERN: no separators, and the suffix keeps "." and ".." plain names.
         self.files = JsonFiles(root, "session")
 
     @property
@@ -44,16 +51,17 @@ class SessionFiles:
         return self.files.reports
 
     def save(self, s: SavedSession) -> None:
-        self.files.write(s.session_id, {"id": s.session_id, "namespace": s.namespace, "key": s.key,
-                                        "tokens": s.tokens, "turns": [t.model_dump() for t in s.turns]})
+        self.files.write(_name(s.tenant, s.session_id), {
+            "tenant": s.tenant, "id": s.session_id, "namespace": s.namespace, "key": s.key, "tokens": s.tokens,
+            "turns": [t.model_dump() for t in s.turns]})
 
-    def delete(self, session_id: str) -> None:
-        self.files.delete(session_id)
+    def delete(self, tenant: str, session_id: str) -> None:
+        self.files.delete(_name(tenant, session_id))
 
     def load(self, vocab_size: int) -> list[SavedSession]:
         def parse(b: dict) -> SavedSession:
-            if not re.match(SESSION_ID_PATTERN, b["id"]):
-                raise ValueError(f"bad session id {b['id']!r}")
-            return SavedSession(b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
+            if not re.match(SESSION_ID_PATTERN, b["id"]) or not TENANT_NAME.match(b["tenant"]):
+                raise ValueError(f"bad session id {b['id']!r} or tenant {b['tenant']!r}")
+            return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
                                 [TurnRecord(**t) for t in b["turns"]])
         return list(self.files.read_all(parse))

@@ -7,7 +7,9 @@ its next turn).
 A session that has a request in flight cannot be forked, truncated,
 deleted, retained or released (409); it can be read, and its info says it
 is busy. An unknown session (or another tenant's) is a 404 that changes
-nothing.
+nothing. The list holds the asking tenant's sessions only; what resuming
+saved state found wrong is listed too on an open server (with keys, it is
+in the server's log: it names every tenant's sessions).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from fastapi import APIRouter, Body, Path, Request
 from engine.api.schemas import (
     SESSION_ID_PATTERN, RetainRequest, SessionCreateRequest, SessionInfo, SessionList, TruncateRequest,
 )
+from engine.api.sessions import SessionRegistry
 from engine.api.state import ApiState
+from engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter(prefix="/v1/sessions")
 SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
@@ -28,62 +32,71 @@ def _api(request: Request) -> ApiState:
     return request.app.state.api
 
 
+def _scope(request: Request) -> tuple[SessionRegistry, Tenant]:
+    return _api(request).sessions, tenant_of(request)
+
+
 @router.post("")
 def create_session(request: Request, body: Annotated[SessionCreateRequest | None, Body()] = None) -> SessionInfo:
-    sessions = _api(request).sessions
-    return sessions.info(sessions.create(body.session_id if body else None))
+    sessions, tenant = _scope(request)
+    body = body or SessionCreateRequest()
+    return sessions.info(tenant, sessions.create(tenant, body.session_id, body.cache_salt))
 
 
 @router.get("")
 def list_sessions(request: Request) -> SessionList:
-    sessions, files = _api(request).sessions, request.app.state.responses.files
-    return SessionList(data=sessions.list(), reports=sessions.reports() + (files.reports if files else []))
+    api, (sessions, tenant) = _api(request), _scope(request)
+    files = api.responses.files
+    reports = sessions.reports() + (files.reports if files else []) if api.keys.open else []
+    return SessionList(data=sessions.list(tenant), reports=reports)
 
 
 @router.get("/{session_id}")
 def read_session(request: Request, session_id: SessionPath) -> SessionInfo:
-    return _api(request).sessions.info(session_id)
+    sessions, tenant = _scope(request)
+    return sessions.info(tenant, session_id)
 
 
 @router.post("/{session_id}/fork")
 def fork_session(request: Request, session_id: SessionPath) -> SessionInfo:
-    sessions = _api(request).sessions
-    return sessions.info(sessions.fork(session_id))
+    sessions, tenant = _scope(request)
+    return sessions.info(tenant, sessions.fork(tenant, session_id))
 
 
 @router.post("/{session_id}/truncate")
 def truncate_session(request: Request, session_id: SessionPath, body: TruncateRequest) -> SessionInfo:
-    sessions = _api(request).sessions
-    with sessions.lease(session_id) as lease:
+    sessions, tenant = _scope(request)
+    with sessions.lease(tenant, session_id) as lease:
         lease.session.truncate(body.length)
-    return sessions.info(session_id)
+    return sessions.info(tenant, session_id)
 
 
 @router.post("/{session_id}/retain")
 def retain_session(request: Request, session_id: SessionPath, body: RetainRequest) -> SessionInfo:
-    sessions = _api(request).sessions
-    with sessions.lease(session_id) as lease:
+    sessions, tenant = _scope(request)
+    with sessions.lease(tenant, session_id) as lease:
         lease.session.retain(body.seconds)
-    return sessions.info(session_id)
+    return sessions.info(tenant, session_id)
 
 
 @router.post("/{session_id}/release")
 def release_session(request: Request, session_id: SessionPath) -> SessionInfo:
-    sessions = _api(request).sessions
-    with sessions.lease(session_id) as lease:
+    sessions, tenant = _scope(request)
+    with sessions.lease(tenant, session_id) as lease:
         lease.session.release()
-    return sessions.info(session_id)
+    return sessions.info(tenant, session_id)
 
 
 @router.post("/{session_id}/restore")
 def restore_session(request: Request, session_id: SessionPath) -> SessionInfo:
-    sessions = _api(request).sessions
-    with sessions.lease(session_id) as lease:
+    sessions, tenant = _scope(request)
+    with sessions.lease(tenant, session_id) as lease:
         lease.session.prefetch()
-    return sessions.info(session_id)
+    return sessions.info(tenant, session_id)
 
 
 @router.delete("/{session_id}")
 def delete_session(request: Request, session_id: SessionPath) -> dict:
-    _api(request).sessions.delete(session_id)
+    sessions, tenant = _scope(request)
+    sessions.delete(tenant, session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}

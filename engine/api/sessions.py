@@ -1,4 +1,12 @@
-"""The server's named sessions, and which of them have a request in flight.
+"""The server's named sessions, each its tenant's, and which of them have a
+request in flight.
+
+A session belongs to the tenant that made it: its id (the server's, 128
+random bits, or one the client chose) names it within that tenant only, so
+two tenants using one id have two sessions, and to any other tenant it does
+not exist (404, whether or not the id is in use). Its KV namespace is fixed
+when it is made: its tenant's, salted with the request's cache_salt; a later
+request with another cache_salt is a 400.
 
 The engine's Session serializes its own calls, but Engine.chat works on a fork
 that it adopts at the end: two chats on one session would each run and the
@@ -17,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.api.errors import APIError, not_found
+from engine.api.quotas import check_held
 from engine.api.schemas import SessionInfo, TurnRecord
 from engine.api.session_files import SavedSession, SessionFiles
+from engine.api.tenants import Tenant
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -27,8 +37,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentkv.sessions")
 
 
+def new_session_id() -> str:
+    return "sess_" + secrets.token_hex(16)
+
+
 @dataclass(eq=False)
 class _Entry:
+    tenant: str
+    session_id: str
     session: "Session"
     turns: list[TurnRecord] = field(default_factory=list)
     busy: bool = False
@@ -37,9 +53,13 @@ class _Entry:
 class Lease:
     """Exclusive use of one session; release() is idempotent and thread-safe."""
 
-    def __init__(self, registry: "SessionRegistry", session_id: str, entry: _Entry):
-        self.registry, self.session_id, self._entry = registry, session_id, entry
+    def __init__(self, registry: "SessionRegistry", entry: _Entry):
+        self.registry, self._entry = registry, entry
         self._released = False
+
+    @property
+    def session_id(self) -> str:
+        return self._entry.session_id
 
     @property
     def session(self) -> "Session":
@@ -58,7 +78,7 @@ class Lease:
                 return
             self._released = True
             self._entry.busy = False
-        self.registry.save(self.session_id, self._entry)
+        self.registry.save(self._entry)
 
     def __enter__(self) -> "Lease":
         return self
@@ -68,11 +88,12 @@ class Lease:
 
 
 class SessionRegistry:
-    def __init__(self, engine: "Engine", namespace: str = "default", files: SessionFiles | None = None):
+    def __init__(self, engine: "Engine", files: SessionFiles | None = None, max_per_tenant: int | None = None):
+        """max_per_tenant: live sessions one tenant may hold (429 past it)."""
         self.engine = engine
-        self.namespace = namespace
         self.files = files
-        self._entries: dict[str, _Entry] = {}
+        self.max_per_tenant = max_per_tenant
+        self._entries: dict[tuple[str, str], _Entry] = {}
         self._lock = threading.Lock()
 
     def resume(self) -> set[str]:
@@ -85,32 +106,33 @@ class SessionRegistry:
         for s in saved:
             session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
             with self._lock:
-                self._entries[s.session_id] = _Entry(session, list(s.turns))
+                self._entries[s.tenant, s.session_id] = _Entry(s.tenant, s.session_id, session, list(s.turns))
         return {s.key for s in saved}
 
-    def save(self, session_id: str, entry: _Entry) -> None:
+    def save(self, entry: _Entry) -> None:
         """Persist the session (with a state directory): KV first, then the file naming it."""
         if self.files is None or entry.session.closed:
             return
         s = entry.session
         try:
             s.save()
-            self.files.save(SavedSession(session_id, s.namespace, s.key, s.tokens, list(entry.turns)))
+            self.files.save(SavedSession(entry.tenant, entry.session_id, s.namespace, s.key, s.tokens,
+                                         list(entry.turns)))
         except (EngineError, OSError) as e:  # the session serves on; only its saved copy is stale
-            log.warning("session %s was not saved: %s", session_id, e)
+            log.warning("session %s of tenant %s was not saved: %s", entry.session_id, entry.tenant, e)
 
     def reports(self) -> list[str]:
         """What resuming saved state found wrong (unreadable files, KV that failed verification)."""
         tier = self.engine.tier
         return (self.files.reports if self.files else []) + (list(tier.reports) if tier is not None else [])
 
-    def list(self) -> list[SessionInfo]:
+    def list(self, tenant: Tenant) -> list[SessionInfo]:
         with self._lock:
-            ids = list(self._entries)
+            ids = [session_id for owner, session_id in self._entries if owner == tenant.name]
         out = []
         for session_id in ids:
             try:
-                out.append(self.info(session_id))
+                out.append(self.info(tenant, session_id))
             except APIError:  # closed meanwhile
                 pass
         return out
@@ -118,85 +140,103 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def create(self, session_id: str | None = None) -> str:
-        session_id = session_id or "sess_" + secrets.token_hex(12)
-        self._add(session_id, exists_ok=False).release()
+    def sessions_of(self, tenant: Tenant) -> list["Session"]:
+        with self._lock:
+            return [e.session for (owner, _), e in self._entries.items() if owner == tenant.name]
+
+    def create(self, tenant: Tenant, session_id: str | None = None, cache_salt: str | None = None) -> str:
+        session_id = session_id or new_session_id()
+        self._add(tenant, session_id, tenant.namespace(cache_salt), exists_ok=False).release()
         return session_id
 
-    def lease(self, session_id: str, create: bool = False) -> Lease:
-        """Take the session (made empty on first use with create); 404 if unknown, 409 if busy."""
+    def lease(self, tenant: Tenant, session_id: str, create: bool = False, cache_salt: str | None = None) -> Lease:
+        """Take the tenant's session (made empty on first use with create, in
+        the namespace of cache_salt); 404 if unknown, 409 if busy, 400 if it
+        was made with another cache_salt."""
+        namespace = tenant.namespace(cache_salt)
         with self._lock:
-            entry = self._live(session_id)
+            entry = self._live(tenant.name, session_id)
             if entry is None and not create:
-                raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
+                raise _unknown(session_id)
             if entry is not None:
-                return self._take(session_id, entry)
-        return self._add(session_id, exists_ok=True)
+                return self._take(entry, namespace if create else None)
+        return self._add(tenant, session_id, namespace, exists_ok=True)
 
-    def _add(self, session_id: str, exists_ok: bool) -> Lease:
+    def _add(self, tenant: Tenant, session_id: str, namespace: str, exists_ok: bool) -> Lease:
         # Made outside the registry's lock: making a session waits for the
         # engine's, which a step holds, and nothing else should wait behind it.
-        session = self.engine.session(self.namespace)
+        with self._lock:
+            self._check_quota(tenant.name)
+        session = self.engine.session(namespace)
         try:
             with self._lock:
-                entry = self._live(session_id)
+                entry = self._live(tenant.name, session_id)
                 if entry is None:
+                    self._check_quota(tenant.name)
                     self._prune()
-                    entry = self._entries[session_id] = _Entry(session)
+                    entry = self._entries[tenant.name, session_id] = _Entry(tenant.name, session_id, session)
                     session = None
                 elif not exists_ok:
                     raise APIError(409, f"session {session_id!r} already exists", code="session_exists",
                                    param="session_id")
-                return self._take(session_id, entry)
+                return self._take(entry, namespace)
         finally:
-            if session is not None:  # another request made it first
+            if session is not None:  # another request made it first, or the tenant is at its quota
                 session.close()
 
-    def _take(self, session_id: str, entry: _Entry) -> Lease:
-        if entry.busy:
-            raise APIError(409, f"session {session_id!r} already has a request in flight", code="session_busy")
-        entry.busy = True
-        return Lease(self, session_id, entry)
+    def _check_quota(self, tenant: str) -> None:
+        held = sum(owner == tenant and not e.session.closed for (owner, _), e in self._entries.items())
+        check_held("live sessions", held, self.max_per_tenant, "delete one (DELETE /v1/sessions/{id}) first")
 
-    def _live(self, session_id: str) -> _Entry | None:
+    def _take(self, entry: _Entry, namespace: str | None) -> Lease:
+        if namespace is not None and entry.session.namespace != namespace:
+            raise APIError(400, f"session {entry.session_id!r} was made with another cache_salt", param="cache_salt")
+        if entry.busy:
+            raise APIError(409, f"session {entry.session_id!r} already has a request in flight", code="session_busy")
+        entry.busy = True
+        return Lease(self, entry)
+
+    def _live(self, tenant: str, session_id: str) -> _Entry | None:
         """The entry, unless its session was closed by the engine (idle timeout,
         session limit): then the entry goes too."""
-        entry = self._entries.get(session_id)
+        entry = self._entries.get((tenant, session_id))
         if entry is not None and entry.session.closed:
-            del self._entries[session_id]
+            del self._entries[tenant, session_id]
             return None
         return entry
 
     def _prune(self) -> None:
         """Past the engine's session limit, forget the entries of closed sessions."""
         if len(self._entries) >= self.engine.limits.max_sessions:
-            for session_id in [k for k, e in self._entries.items() if e.session.closed]:
-                del self._entries[session_id]
+            for key in [k for k, e in self._entries.items() if e.session.closed]:
+                del self._entries[key]
 
-    def fork(self, session_id: str) -> str:
-        """A new session sharing the source's pages (copy-on-write) and its turn history."""
-        with self.lease(session_id) as lease:
-            child = _Entry(lease.session.fork(), list(lease.turns))
-        new_id = "sess_" + secrets.token_hex(12)
+    def fork(self, tenant: Tenant, session_id: str) -> str:
+        """A new session of the tenant sharing the source's pages (copy-on-write) and its turn history."""
+        with self.lease(tenant, session_id) as lease:
+            with self._lock:
+                self._check_quota(tenant.name)
+            new_id = new_session_id()
+            child = _Entry(tenant.name, new_id, lease.session.fork(), list(lease.turns))
         with self._lock:
-            self._entries[new_id] = child
-        self.save(new_id, child)
+            self._entries[tenant.name, new_id] = child
+        self.save(child)
         return new_id
 
-    def delete(self, session_id: str) -> None:
-        with self.lease(session_id) as lease:
+    def delete(self, tenant: Tenant, session_id: str) -> None:
+        with self.lease(tenant, session_id) as lease:
             with self._lock:
-                del self._entries[session_id]
+                del self._entries[tenant.name, session_id]
             if self.files is not None:
-                self.files.delete(session_id)
+                self.files.delete(tenant.name, session_id)
                 lease.session.forget_saved()
             lease.session.close()
 
-    def info(self, session_id: str) -> SessionInfo:
+    def info(self, tenant: Tenant, session_id: str) -> SessionInfo:
         with self._lock:
-            entry = self._live(session_id)
+            entry = self._live(tenant.name, session_id)
         if entry is None:
-            raise not_found(f"no session {session_id!r}", "session_not_found", "session_id")
+            raise _unknown(session_id)
         s = entry.session
         tier = self.engine.tier
         return SessionInfo(
@@ -214,3 +254,7 @@ class SessionRegistry:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             entry.session.close()
+
+
+def _unknown(session_id: str) -> APIError:
+    return not_found(f"no session {session_id!r}", "session_not_found", "session_id")

@@ -1,5 +1,6 @@
 """What every route needs: the engine, the served model's name, the session
-registry and the metrics, plus the checks they all make before generating."""
+registry, the response store, the tenants' keys and quotas and the metrics,
+plus the checks they all make before generating."""
 from __future__ import annotations
 
 import time
@@ -9,8 +10,12 @@ from typing import TYPE_CHECKING
 
 from engine.api.errors import APIError, not_found
 from engine.api.metrics import Metrics
+from engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held, kv_pages_held
+from engine.api.response_files import ResponseFiles
+from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from engine.api.session_files import SessionFiles
 from engine.api.sessions import SessionRegistry
+from engine.api.tenants import ApiKeys, Tenant
 from engine.structured import tool_call_format
 
 if TYPE_CHECKING:
@@ -23,14 +28,35 @@ class ApiState:
     engine: "Engine"
     model_name: str
     sessions: SessionRegistry
+    responses: ResponseStore
     metrics: Metrics
+    keys: ApiKeys
+    quotas: Quotas
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def for_engine(cls, engine: "Engine", model_name: str, state_dir: str | Path | None = None) -> "ApiState":
-        """With a state directory, named sessions are saved there (SessionRegistry.resume takes up earlier ones)."""
-        sessions = SessionRegistry(engine, files=SessionFiles(state_dir) if state_dir is not None else None)
-        return cls(engine, model_name, sessions, Metrics(engine, sessions, model_name))
+    def for_engine(cls, engine: "Engine", model_name: str, state_dir: str | Path | None = None,
+                   max_stored_responses: int = DEFAULT_MAX_RESPONSES, keys: ApiKeys | None = None,
+                   quotas: Quotas | None = None) -> "ApiState":
+        """With a state directory, named sessions and stored responses are
+        saved there (resume() takes up earlier ones). No keys: open to all,
+        as the one tenant "default"."""
+        quotas = quotas or Quotas()
+        sessions = SessionRegistry(engine, SessionFiles(state_dir) if state_dir is not None else None,
+                                   quotas.max_sessions)
+        responses = ResponseStore(max_stored_responses, ResponseFiles(state_dir) if state_dir is not None else None,
+                                  quotas.max_responses)
+        return cls(engine, model_name, sessions, responses, Metrics(engine, sessions, model_name),
+                   keys or ApiKeys(), quotas)
+
+    def check_kv_quota(self, tenant: Tenant) -> None:
+        """429 if the tenant's sessions and stored responses already hold
+        their quota of KV pages (before a request adds more)."""
+        limit = self.quotas.max_kv_pages
+        if limit is not None:
+            sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
+            check_held("KV pages (in the pool and the second tier)", kv_pages_held(self.engine, sessions), limit,
+                       "delete or truncate sessions, or delete stored responses")
 
     @property
     def tokenizer(self) -> "Tokenizer":
@@ -51,9 +77,17 @@ class ApiState:
         if unsupported is not None:
             raise APIError(400, f"{unsupported} is not supported by this server", code="unsupported_parameter", param=unsupported)
 
+    @property
+    def default_max_tokens(self) -> int:
+        """A request's budget when it names none: --default-max-tokens, else
+        the model's generation config, else FALLBACK_MAX_TOKENS."""
+        model = self.engine.tokenizer.max_new_tokens if self.engine.tokenizer is not None else None
+        return self.quotas.default_max_tokens or model or FALLBACK_MAX_TOKENS
+
     def max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """The generation budget: what was asked (by default, the rest of the
-        context), or 413 if the prompt and that budget exceed the context."""
+        """The generation budget: what was asked (by default, default_max_tokens
+        or the rest of the context if less), or 413 if the prompt and that
+        budget exceed the context."""
         context = self.engine.max_context
         room = context - prompt_len
         if room < 1:
@@ -62,7 +96,7 @@ class ApiState:
         if requested is not None and requested > room:
             raise APIError(413, f"{prompt_len} prompt tokens + max_tokens {requested} exceed the model's context of {context}",
                            code="context_length_exceeded", param="max_tokens")
-        return room if requested is None else requested
+        return min(room, self.default_max_tokens) if requested is None else requested
 
     @property
     def stop_ids(self) -> list[int]:
