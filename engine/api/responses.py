@@ -67,6 +67,7 @@ def check_tool_choice(body: ResponsesRequest) -> None:
 async def create_response(body: ResponsesRequest, request: Request, authorization: Authorization = None):
     api = _api(request)
     api.check_model(body.model)
+    api.check_supported(body.unsupported())
     check_tool_choice(body)
     tenant = _tenant(request, authorization)
     previous = _store(request).get(body.previous_response_id, tenant) if body.previous_response_id else None
