@@ -299,3 +299,24 @@ def test_text_format_streams_stores_and_continues(http):
 def test_text_format_schema_that_cannot_compile_is_a_400(http):
     r = respond(http, tools=None, text={"format": {"type": "json_schema", "name": "r", "schema": {"type": "nonsense"}}})
     assert r.status_code == 400, r.text
+
+
+def test_truncation_auto_drops_the_oldest_items_until_it_fits(http, engine):
+    cities = ["Bern", "Kyiv", "Quito", "Lima", "Oslo", "Riga", "Baku", "Nuuk"]
+    root = ok(respond(http, input=[ask(c) for c in cities[:-1]], tool_choice="required"))
+    budget = 300
+    max_output = engine.max_context - budget
+    continuation = {"input": [ask(cities[-1])], "previous_response_id": root["id"], "max_output_tokens": max_output,
+                    "tool_choice": {"type": "function", "name": "get_weather"}}
+    assert respond(http, **continuation).status_code == 413  # truncation "disabled", the default
+    body = ok(respond(http, truncation="auto", **continuation))
+    assert body["truncation"] == "auto" and [o[0] for o in outputs(body)] == ["function_call"]
+    # The prompt is the newest messages that fit, rendered as a whole conversation would be.
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in root["output"]]
+    history = [ask(c) for c in cities[:-1]] + [{"role": "assistant", "content": None, "tool_calls": calls}, ask(cities[-1])]
+    rendered = [engine.tokenizer.apply_chat_template(history[start:], tools=[CHAT_TOOL]) for start in range(len(history))]
+    kept = next(start for start, prompt in enumerate(rendered) if len(prompt) <= budget)
+    assert 0 < kept and body["usage"]["input_tokens"] == len(rendered[kept])
+    stored = http.app.state.responses.get(body["id"], "default").session
+    assert stored.tokens[: len(rendered[kept])] == rendered[kept]

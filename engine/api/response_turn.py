@@ -101,8 +101,10 @@ class ResponseTurn:
               on_done: OnDone) -> "ResponseTurn":
         start = time.perf_counter()
         tokenizer = api.tokenizer
-        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools)
-        max_tokens = api.max_tokens(p.prompt_len, turn.body.max_output_tokens)
+        requested = turn.body.max_output_tokens
+        max_prompt = api.engine.max_context - (requested or 1) if turn.body.truncation == "auto" else None
+        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools, max_prompt)
+        max_tokens = api.max_tokens(p.prompt_len, requested)
         grammar = turn.grammar(api.engine)
         session = p.base.fork() if p.base else api.engine.session(turn.tenant)
         try:

@@ -190,7 +190,9 @@ class ResponsesRequest(ServingOptions):
     stream_options: ResponsesStreamOptions | None = None
     metadata: Metadata | None = None
     user: str | None = None  # echoed; otherwise ignored as prompt_cache_key and safety_identifier are
-    truncation: Literal["disabled"] | None = None
+    # "auto" drops the conversation's oldest items until the prompt and
+    # max_output_tokens fit the context; "disabled" (the default) is a 413 then.
+    truncation: Literal["auto", "disabled"] | None = None
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: Reasoning | None = None
     # What they would add comes from built-in tools, image inputs and
@@ -313,7 +315,7 @@ class Response(ResponseBody):
     metadata: dict[str, str]
     user: str | None = None
     text: TextConfig = Field(default_factory=TextConfig)
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     reasoning: Reasoning | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
