@@ -17,22 +17,13 @@ from fastapi.testclient import TestClient
 from engine import Engine
 from engine.api import create_app
 from tests.conftest import assert_all_pages_free
+from tests.test_responses_api import CHAT_TOOL, MODEL, TOOL, ask
 
-MODEL = "agentkv-test"
 GEN = 24
-TOOL = {
-    "type": "function", "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
 REPORT = {
     "type": "object", "additionalProperties": False, "required": ["city", "sky"],
     "properties": {"city": {"type": "string", "maxLength": 12}, "sky": {"enum": ["sunny", "cloudy", "rainy"]}},
 }
-
-
-def ask(city: str) -> dict:
-    return {"role": "user", "content": f'Next step: call get_weather with city="{city}".'}
 
 
 @pytest.fixture(scope="module")
