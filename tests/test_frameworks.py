@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import operator
+import re
 from functools import reduce
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -42,7 +44,7 @@ from engine import Engine
 from engine.api import create_app
 from tests.conftest import assert_all_pages_free, http_server
 
-MODEL = "agentkv-test"
+MODEL = "agentkv-default"  # as serve.py names the embedded model, so that the README's snippets run as written
 KEY = "framework-tests"
 APIS = ["chat", "responses"]
 
@@ -225,3 +227,22 @@ def test_langchain_structured_output(server, api, method):
     else:
         fmt = body["text"]["format"] if api == "responses" else body["response_format"]["json_schema"]
         assert fmt["schema"]["properties"]["city"]["maxLength"] == 12
+
+
+def readme_snippets(url: str) -> list:
+    """The README's framework snippets, compiled to talk to url (and without this module's
+    postponed annotations, which pydantic could not resolve in an exec'd namespace)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Use it from your agent framework\n", 1)[1].split("\n## ", 1)[0]
+    return [compile(code.replace("http://127.0.0.1:8000", url), "README.md", "exec", dont_inherit=True)
+            for code in re.findall(r"```python\n(.*?)```", section, re.S)]
+
+
+def test_readme_snippets_run_as_written(server):
+    agents_sdk, langchain = readme_snippets(server)
+    run: dict = {}
+    exec(agents_sdk, run)
+    assert run["result"].last_agent.name == "weather" and isinstance(run["result"].final_output, run["Report"])
+    chat: dict = {}
+    exec(langchain, chat)
+    assert chat["reply"].tool_calls[0]["name"] == "get_weather" and isinstance(chat["report"], chat["Report"])
