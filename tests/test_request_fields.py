@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from engine import Engine
 from engine.api import create_app
+from engine.api.responses_schemas import Response
 from tests.conftest import assert_all_pages_free
 from tests.test_responses_api import CHAT_TOOL, MODEL, TOOL, ask
 
@@ -281,6 +282,8 @@ def test_text_format_streams_stores_and_continues(http):
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     jsonschema.validate(json.loads(text), REPORT)
     assert echoed(http.get(f"/v1/responses/{done['id']}").json()["text"]["format"]) == fmt
+    stored = http.app.state.responses.get(done["id"], "default").response
+    assert Response.model_validate(stored.model_dump(mode="json")) == stored  # as --state-dir saves and loads it
     # The format is the request's, as at OpenAI: a continuation without one is plain text.
     again = ok(respond(http, input="And in Rome?", tools=None, previous_response_id=done["id"]))
     assert again["text"]["format"] == {"type": "text"}

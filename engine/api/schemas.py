@@ -27,7 +27,7 @@ class RequestBody(BaseModel):
 
 
 def first_refused(refused: dict[str, bool]) -> str | None:
-    """The first field whose value this engine cannot honour, of those named with whether it is so."""
+    """The first of the fields named (in the order to report them) whose value this engine cannot honour."""
     return next((name for name, refuse in refused.items() if refuse), None)
 
 
