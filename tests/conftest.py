@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gc  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -36,3 +41,31 @@ def assert_all_pages_free(engine) -> None:
     if engine.radix is not None:
         engine.radix.clear()
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+@contextmanager
+def http_server(app) -> Iterator[str]:
+    """app served over real HTTP by uvicorn, in a thread, on a free port of
+    127.0.0.1; yields its base URL, and stops it (its lifespan included) after."""
+    import uvicorn
+
+    sock = socket.socket()
+    # Accepted connections inherit it; uvicorn sets it only on sockets it
+    # makes itself, and without it every response waits ~40 ms for an ACK.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if uv.started:
+            break
+        time.sleep(0.05)
+    assert uv.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+        sock.close()
+    assert not thread.is_alive()

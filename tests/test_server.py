@@ -5,7 +5,6 @@ what the replies say."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -14,11 +13,10 @@ from typing import Callable
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine import ChatResult, Engine
 from engine.api import create_app
-from tests.conftest import assert_all_pages_free
+from tests.conftest import assert_all_pages_free, http_server
 
 MODEL = "agentkv-test"
 USER = [{"role": "user", "content": "Read src/engine/cache.py and tell me what it does."}]
@@ -64,26 +62,8 @@ class Server:
 def server():
     engine = Engine.from_pretrained(num_pages=1024)
     app = create_app(engine, MODEL)
-    sock = socket.socket()
-    # Accepted connections inherit it; uvicorn sets it only on sockets it
-    # makes itself, and without it every response waits ~40 ms for an ACK.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started, "uvicorn did not start"
-    try:
-        yield Server(engine, f"http://127.0.0.1:{sock.getsockname()[1]}", app)
-    finally:
-        uv.should_exit = True
-        thread.join(60)
-        sock.close()
-    assert not thread.is_alive()
+    with http_server(app) as url:
+        yield Server(engine, url, app)
     # Shutdown closed every named session: only the prefix cache may hold pages.
     assert_all_pages_free(engine)
 

@@ -47,9 +47,12 @@ class Plan:
 
 def plan(
     tokenizer: "Tokenizer", previous: StoredResponse | None, items: list[Item], instructions: str | None,
-    tools: list[dict] | None,
+    tools: list[dict] | None, max_prompt: int | None = None,
 ) -> Plan:
-    """What a turn appends (its items, rendered after the conversation so far) and to which session."""
+    """What a turn appends (its items, rendered after the conversation so far) and to which session.
+    With max_prompt (truncation "auto"), a longer prompt drops the conversation's oldest messages
+    until it fits, and starts a new session; if even the newest alone does not, it is left whole
+    (for the budget check to refuse)."""
     history = previous.conversation() if previous else []
     messages = to_messages(items, call_ids(history))
     system = [system_message(instructions)] if instructions else []
@@ -57,7 +60,16 @@ def plan(
     base = previous if previous is not None and _continues(tokenizer, previous.held, text) else None
     held = base.held if base else None
     delta = text[held.end :] if held else text
-    return Plan(base, held, delta, tokenizer.encode(delta), messages)
+    whole = Plan(base, held, delta, tokenizer.encode(delta), messages)
+    if max_prompt is None or whole.prompt_len <= max_prompt:
+        return whole
+    conversation = history + messages
+    for start in range(1, len(conversation)):
+        text = tokenizer.apply_chat_template(system + conversation[start:], tools=tools, tokenize=False)
+        ids = tokenizer.encode(text)
+        if len(ids) <= max_prompt:
+            return Plan(None, None, text, ids, messages)
+    return whole
 
 
 def _added_tokens(tokenizer: "Tokenizer") -> dict[int, str]:

@@ -60,10 +60,11 @@ class TurnRequest:
 
     def grammar(self, engine: "Engine") -> "Grammar | None":
         """What the reply may be, as chat completions constrain it: calls the model opens are
-        well formed, and tool_choice "required" or a named function is enforced."""
-        choice = self.body.tool_choice
-        choice = choice.model_dump() if isinstance(choice, NamedFunctionChoice) else choice
-        return request_grammar(engine, self.tools, choice, None, self.body.parallel_tool_calls is not False)
+        well formed, tool_choice "required" or a named function is enforced, and text.format
+        holds the reply as response_format does."""
+        body = self.body
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunctionChoice) else body.tool_choice
+        return request_grammar(engine, self.tools, choice, body.response_format(), body.parallel_tool_calls is not False)
 
 
 def shell(body: ResponsesRequest, response_id: str) -> Response:
@@ -72,7 +73,10 @@ def shell(body: ResponsesRequest, response_id: str) -> Response:
         instructions=body.instructions, previous_response_id=body.previous_response_id, tools=body.tools or [],
         tool_choice=body.tool_choice or "auto", parallel_tool_calls=body.parallel_tool_calls is not False,
         temperature=body.temperature, top_p=body.top_p, max_output_tokens=body.max_output_tokens,
-        store=body.store, metadata=body.metadata or {}, user=body.user,
+        store=body.store, metadata=body.metadata or {}, user=body.user, text=body.text,
+        truncation=body.truncation or "disabled", reasoning=body.reasoning, max_tool_calls=body.max_tool_calls,
+        top_logprobs=body.top_logprobs, prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention, safety_identifier=body.safety_identifier,
     )
 
 
@@ -98,8 +102,10 @@ class ResponseTurn:
               on_done: OnDone) -> "ResponseTurn":
         start = time.perf_counter()
         tokenizer = api.tokenizer
-        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools)
-        max_tokens = api.max_tokens(p.prompt_len, turn.body.max_output_tokens)
+        requested = turn.body.max_output_tokens
+        max_prompt = api.engine.max_context - (requested or 1) if turn.body.truncation == "auto" else None
+        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools, max_prompt)
+        max_tokens = api.max_tokens(p.prompt_len, requested)
         grammar = turn.grammar(api.engine)
         session = p.base.fork() if p.base else api.engine.session(turn.namespace)
         try:

@@ -59,6 +59,7 @@ def check_tool_choice(body: ResponsesRequest) -> None:
 async def create_response(body: ResponsesRequest, request: Request):
     api, store, tenant = _api(request), _store(request), tenant_of(request)
     api.check_model(body.model)
+    api.check_supported(body.unsupported())
     check_tool_choice(body)
     if body.store:
         store.check_quota(tenant.name)

@@ -18,10 +18,19 @@ SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 # OpenAI allows up to 4 stop sequences.
 Stop = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
+# OpenAI allows up to 16 pairs, keys of up to 64 characters, values of up to 512.
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+Verbosity = Literal["low", "medium", "high"]
 
 
 class RequestBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def first_refused(refused: dict[str, bool]) -> str | None:
+    """The first of the fields named (in the order to report them) whose value this engine cannot honour."""
+    return next((name for name, refuse in refused.items() if refuse), None)
 
 
 class TextPart(RequestBody):
@@ -94,6 +103,8 @@ class NamedToolChoice(RequestBody):
 
 
 class JSONSchemaSpec(RequestBody):
+    model_config = ConfigDict(serialize_by_alias=True)
+
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     # "schema" would shadow a BaseModel attribute; the wire name stays "schema".
@@ -119,6 +130,45 @@ ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat]
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    # Ignored: OpenAI pads stream events against a network side channel on
+    # payload sizes; these events carry no padding field.
+    include_obfuscation: bool | None = None
+
+
+class PromptCacheOptions(RequestBody):
+    # Ignored: breakpoints and lifetimes of OpenAI's prompt cache. Here every
+    # token prefix is matched, and the retention policy and KV tiers decide
+    # how long KV stays.
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+class ServingOptions(RequestBody):
+    """How OpenAI routes, bills and polices a request, shared by chat
+    completions and the Responses API.
+
+    Every field OpenAI documents for a request (as the `openai` client's
+    types declare them) is implemented, refused at any but its neutral value
+    (a 400 naming it, see `unsupported`), or accepted and ignored where what
+    OpenAI does with it has no counterpart here; each ignored field says why
+    where it is declared. These are all ignored but moderation."""
+
+    # Ignored: OpenAI routes requests with one key to one cache machine;
+    # here every request is matched against every cached prefix of its namespace.
+    prompt_cache_key: str | None = None
+    # Ignored: how long OpenAI keeps cached prefixes (see PromptCacheOptions).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    # Ignored: it identifies an end user to OpenAI's abuse detection.
+    safety_identifier: Annotated[str, Field(max_length=128)] | None = None
+    # Ignored: there is one processing tier here, which replies name ("default").
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    # Refused when set: no moderation model runs here, and serving the
+    # request unmoderated is not what was asked for.
+    moderation: dict | None = None
+
+    def unsupported(self) -> str | None:
+        return "moderation" if self.moderation is not None else None
 
 
 class Sampling(RequestBody):
@@ -159,7 +209,12 @@ class Sampling(RequestBody):
         return None
 
 
-class ChatCompletionRequest(Sampling):
+class Prediction(RequestBody):
+    type: Literal["content"]
+    content: Content
+
+
+class ChatCompletionRequest(Sampling, ServingOptions):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
     # Enforced by a grammar (engine.structured): "required" and a named
@@ -169,10 +224,41 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Ignored: at OpenAI, metadata tags and store keeps a completion for its
+    # evals and distillation products; chat completions are not stored here.
+    metadata: Metadata | None = None
+    store: bool | None = None
+    # Ignored: a prediction only makes OpenAI's reply faster, never different
+    # (speculation here drafts from the conversation itself).
+    prediction: Prediction | None = None
+    # Ignored: a hint to OpenAI's models that this model has no control for.
+    verbosity: Verbosity | None = None
+    # Ignored: the model does not reason (it writes no reasoning tokens).
+    reasoning_effort: ReasoningEffort | None = None
+    # Only text: the model has no audio output.
+    modalities: list[Literal["text", "audio"]] | None = None
+    # Refused when set: no audio output, no web search; the deprecated
+    # functions and function_call are tools and tool_choice here.
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    # Refused when not empty: the sampler applies no logit bias.
+    logit_bias: dict[str, int] | None = None
     session_id: SessionId | None = None
 
     def unsupported(self) -> str | None:
-        return "logprobs" if self.logprobs else super().unsupported()
+        return first_refused({
+            "logprobs": self.logprobs,
+            "top_logprobs": bool(self.top_logprobs),
+            "modalities": "audio" in (self.modalities or ()),
+            "audio": self.audio is not None,
+            "web_search_options": self.web_search_options is not None,
+            "functions": self.functions is not None,
+            "function_call": self.function_call is not None,
+            "logit_bias": bool(self.logit_bias),
+        }) or Sampling.unsupported(self) or ServingOptions.unsupported(self)
 
 
 class CompletionRequest(Sampling):
@@ -261,6 +347,7 @@ class ChatCompletion(ResponseBody):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: Literal["default"] = "default"  # the tier that served it: the only one
 
 
 class ChunkToolCall(ResponseToolCall):
@@ -293,6 +380,7 @@ class ChatCompletionChunk(ResponseBody):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    service_tier: Literal["default"] = "default"
 
 
 class CompletionChoice(ResponseBody):
