@@ -17,6 +17,7 @@ from engine.api.quotas import Quotas
 from engine.api.tenants import ApiKeys, ApiKeysError
 from engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTES
 from engine.limits import Limits
+from engine.message_log import CONTINUATIONS
 from engine.retention import MODES, RetentionConfig
 
 log = logging.getLogger("agentkv.serve")
@@ -37,6 +38,10 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--no-constrain-auto", action="store_true",
                         help="decode tool_choice \"auto\" unconstrained (default: a call the model opens is held to "
                              "the tools' schemas)")
+    parser.add_argument("--continuation", choices=CONTINUATIONS, default="native",
+                        help="how a chat turn on a session reuses its history: native continues from the tokens the "
+                             "model produced (matched by message: only new messages are rendered); "
+                             "template-faithful re-renders the history and reuses up to the first differing token")
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
                              "used expire (404)")
@@ -121,7 +126,7 @@ def serve(argv: list[str]) -> None:
         parser.error(str(e))
     engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-        constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention,
+        constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention, continuation=args.continuation,
         kv_offload_bytes=int(args.kv_offload_gb * 2**30),
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
         kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec)

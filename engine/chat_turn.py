@@ -1,5 +1,19 @@
-"""One chat turn: render the conversation, reuse the longest common prefix
-with the session's tokens, queue only the rest, generate the reply.
+"""One chat turn: find what of the conversation the session already holds,
+queue only the rest, generate the reply.
+
+Two ways to find it (Engine's `continuation`):
+- native (the default): a session's message log (engine.message_log) says
+  which messages its tokens are. A request that begins with exactly those
+  messages has its new messages alone rendered (model.chat_suffix) and
+  tokenized, and continues from the held tokens as they are: the reply as
+  the model sampled it, even where re-tokenizing its text would give other
+  tokens or the template would now write it otherwise. Host work is the
+  new messages', not the history's.
+- template-faithful, and native whenever the log does not match (a first
+  turn, an edited or truncated history, other tools): render the whole
+  conversation and reuse the longest common token prefix with the session,
+  as a stateless server with a prefix cache would; from the first differing
+  token on, the rest is recomputed, never reused stale.
 
 Started and finished in two halves so that a server can await the middle
 without a thread: `start` returns as soon as the request is queued, the
@@ -9,13 +23,16 @@ failure or a cancellation leaves the session untouched.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from cache.tokens import common_prefix_len
 from engine.errors import ContextLengthError, InvalidRequestError
+from engine.message_log import MessageLog, digest, tools_digest
 from engine.request import OnDone, OnTokens, Request
 from engine.structured import request_grammar
+from model.chat_suffix import render_suffix, reply_gap
 from model.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -32,11 +49,21 @@ class ChatResult:
     token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]  # what to queue after the reused tokens
+    reused: int  # tokens of the session kept as they are
+    native: bool  # continued from the message log
+
+
 class ChatTurn:
     def __init__(self, engine: "Engine", session: "Session | None", work: "Session", request: Request,
-                 prompt_len: int, stops: list[str]):
+                 prompt_len: int, stops: list[str], messages: list[dict], tools: list[dict] | None,
+                 digests: list[bytes] | None, native: bool):
         self.engine, self.session, self.work, self.request = engine, session, work, request
         self.prompt_len, self.stops = prompt_len, stops
+        self.messages, self.tools, self.digests = messages, tools, digests
+        self.native = native  # whether the prompt continued the session's message log
 
     @classmethod
     def start(
@@ -45,7 +72,7 @@ class ChatTurn:
         messages: list[dict],
         tools: list[dict] | None = None,
         session: "Session | None" = None,
-        max_tokens: int = 256,
+        max_tokens: int | Callable[[int], int] = 256,
         tool_choice: str | dict | None = None,
         response_format: dict | None = None,
         parallel_tool_calls: bool = True,
@@ -54,28 +81,34 @@ class ChatTurn:
         namespace: str = "default",
         **sampling,
     ) -> "ChatTurn":
-        """Render, diff against the session and queue the turn's request.
-        Without a session, the turn runs on a temporary one in namespace."""
+        """Find what the session holds, queue the rest and the turn's request.
+        Without a session, the turn runs on a temporary one in namespace.
+        max_tokens may be a function of the prompt's length (a server's budget)."""
         if engine.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
+        if not messages:
+            raise InvalidRequestError("a chat turn needs at least one message")
         grammar = request_grammar(engine, tools, tool_choice, response_format, parallel_tool_calls)
-        prompt = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-        if not prompt:
-            raise InvalidRequestError("the rendered prompt is empty")
-        if len(prompt) >= engine.max_context:
-            raise ContextLengthError(f"the prompt's {len(prompt)} tokens leave no room in the context of {engine.max_context}")
+        native = session is not None and engine.continuation == "native" and not engine.stateless
+        digests = [digest(m) for m in messages] if native else None
         work = session.fork_for_turn() if session is not None else engine.session(namespace)
         try:
-            reused = 0 if engine.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
-            work.truncate(reused)
-            work.queue(prompt[reused:])
-            req = work.start_generate(max_tokens=max_tokens, grammar=grammar, on_tokens=on_tokens, on_done=on_done,
+            prompt = (_native_prompt(engine, session, messages, tools, digests) if native else None) \
+                or _rendered_prompt(engine, work, messages, tools)
+            prompt_len = prompt.reused + len(prompt.ids)
+            if prompt_len >= engine.max_context:
+                raise ContextLengthError(f"the prompt's {prompt_len} tokens leave no room in the context of {engine.max_context}")
+            budget = max_tokens(prompt_len) if callable(max_tokens) else max_tokens
+            work.truncate(prompt.reused)
+            work.queue(prompt.ids)
+            req = work.start_generate(max_tokens=budget, grammar=grammar, on_tokens=on_tokens, on_done=on_done,
                                       **sampling)
         except BaseException:
             work.close()
             raise
         stops = sampling.get("stop") or ()
-        return cls(engine, session, work, req, len(prompt), [stops] if isinstance(stops, str) else list(stops))
+        return cls(engine, session, work, req, prompt_len, [stops] if isinstance(stops, str) else list(stops),
+                   messages, tools, digests, prompt.native)
 
     def cancel(self) -> None:
         self.request.cancel()
@@ -106,6 +139,8 @@ class ChatTurn:
         if session is not None and not self.engine.stateless:
             session.adopt(work)
             session.end_turn([c["name"] for c in calls])
+            if self.digests is not None:
+                session.message_log = self._log(session, content, calls)
         usage = {
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(ids),
@@ -113,5 +148,45 @@ class ChatTurn:
             "cached_tokens": stats.reused_tokens,
             "computed_tokens": stats.computed_tokens,
             "restored_tokens": stats.restored_tokens,
+            "native": self.native,
         }
         return ChatResult(content, calls, usage, "tool_calls" if calls else req.finish_reason, ids)
+
+    def _log(self, session: "Session", content: str, calls: list[dict]) -> MessageLog | None:
+        """The session's messages after this turn, if its next can continue
+        natively: the reply ended on an end-of-turn token, which the
+        template also ends the reply's message with."""
+        tokens = session.tokens
+        if not tokens or tokens[-1] not in self.engine.eos_token_ids:
+            return None
+        reply = {"role": "assistant", "content": content or None, "tool_calls": [
+            {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            for c in calls] or None}
+        tokenizer = self.engine.tokenizer
+        gap = reply_gap(tokenizer, self.messages, reply, self.tools, tokenizer.decode(tokens[-1:]))
+        if gap is None:
+            return None
+        return MessageLog(tuple(self.digests) + (digest(reply),), tools_digest(self.tools), len(tokens), gap)
+
+
+def _native_prompt(engine: "Engine", session: "Session", messages: list[dict], tools: list[dict] | None,
+                   digests: list[bytes]) -> _Prompt | None:
+    """The new messages alone, after the held tokens; None if the session's log does not match."""
+    log = session.message_log
+    if log is None or not log.continues(digests, tools_digest(tools), len(session)):
+        return None
+    suffix = render_suffix(engine.tokenizer, messages, len(log.digests), tools)
+    if suffix is None:
+        return None
+    # The gap starts after an end-of-turn token, an added token the tokenizer
+    # splits on: tokenized alone it gives what tokenizing the whole would.
+    return _Prompt(engine.tokenizer.encode(log.gap + suffix), log.length, True)
+
+
+def _rendered_prompt(engine: "Engine", work: "Session", messages: list[dict], tools: list[dict] | None) -> _Prompt:
+    """The whole conversation rendered; the longest common prefix with the session kept."""
+    prompt = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    if not prompt:
+        raise InvalidRequestError("the rendered prompt is empty")
+    reused = 0 if engine.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
+    return _Prompt(prompt[reused:], reused, False)

@@ -6,6 +6,7 @@ import zlib
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCache
 from engine.kv_policy import KVPolicy
 from engine.limits import Limits
+from engine.message_log import CONTINUATIONS
 from engine.retention import Retention, RetentionConfig
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
@@ -65,6 +67,7 @@ class Engine:
         kv_offload_dir: str | Path | None = None,
         kv_offload_disk_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES,
         kv_offload_codec: str = "pool",
+        continuation: str = "native",
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -98,6 +101,13 @@ class Engine:
         # schemas (engine.structured). Off, "auto" decodes unconstrained, as
         # servers that only parse calls do.
         self.constrain_auto = constrain_auto
+        # How a chat turn on a session finds what it holds (engine.chat_turn):
+        # "native" continues from the tokens the model produced, matched by
+        # message; "template-faithful" re-renders the history as a stateless
+        # server would and reuses up to the first differing token.
+        if continuation not in CONTINUATIONS:
+            raise InvalidRequestError(f"continuation must be one of {CONTINUATIONS}, got {continuation!r}")
+        self.continuation = continuation
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
@@ -167,9 +177,10 @@ class Engine:
         }
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
-             max_tokens: int = 256, **kwargs) -> ChatResult:
-        """Render the conversation, reuse the longest common prefix with the
-        session's tokens, compute only the rest, and generate the reply.
+             max_tokens: int | Callable[[int], int] = 256, **kwargs) -> ChatResult:
+        """Find what of the conversation the session holds (its message log,
+        or the longest common prefix with the rendered conversation; see
+        engine.chat_turn), compute only the rest, and generate the reply.
         The session (a temporary one when None) ends holding the prompt and
         the reply; on error it is as before. tool_choice, response_format and
         parallel_tool_calls (OpenAI's shapes) constrain the reply with a
@@ -178,5 +189,5 @@ class Engine:
         return self.start_chat(messages, tools, session, max_tokens, **kwargs).wait()
 
     def start_chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
-                   max_tokens: int = 256, **kwargs) -> ChatTurn:
+                   max_tokens: int | Callable[[int], int] = 256, **kwargs) -> ChatTurn:
         return ChatTurn.start(self, messages, tools, session, max_tokens, **kwargs)

@@ -16,6 +16,7 @@ import torch
 from cache.block_table import BlockTable
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.grammar import Grammar, GrammarState
+from engine.message_log import MessageLog
 from engine.request import OnDone, OnTokens, Request
 from engine.sequence import Sequence
 from engine.stats import TurnStats
@@ -32,6 +33,9 @@ class Session:
         self._scheduler, self._sequences = engine.scheduler, engine.sequences
         self._seq = seq
         self._sequences.close_on_collect(self, seq)
+        # Which chat messages the tokens are (engine.chat_turn sets it); any
+        # other change to the tokens forgets it.
+        self.message_log: MessageLog | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -159,6 +163,7 @@ class Session:
         ids = self._check_tokens(token_ids)
         req = Request(self._seq, None, num_logits=len(ids) if all_logits else 1)
         self._scheduler.submit(req, ids)
+        self.message_log = None
         return req
 
     def append(self, token_ids: Iterable[int], *, all_logits: bool = False) -> torch.Tensor:
@@ -176,6 +181,7 @@ class Session:
         computes them in its first steps (chunked, batched with other work)
         and draws the first token from their last logits."""
         self._sequences.extend(self._seq, self._check_tokens(token_ids))
+        self.message_log = None
 
     def start_generate(
         self,
@@ -213,6 +219,7 @@ class Session:
         state = GrammarState(grammar) if grammar is not None else None
         req = Request(self._seq, params, speculative, on_tokens, on_done, state)
         self._scheduler.submit(req)
+        self.message_log = None
         return req
 
     def generate(self, max_tokens: int = 64, **kwargs) -> list[int]:
@@ -236,11 +243,14 @@ class Session:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(self):
             raise InvalidRequestError(f"cannot truncate a session of {len(self)} tokens to {n!r}")
         self._sequences.truncate(self._seq, n)
+        self.message_log = None
 
     def fork(self) -> "Session":
         """A new session sharing every page (copy-on-write on the first write
         into a shared partially filled page, by either side)."""
-        return Session(self.engine, self._sequences.fork(self._seq))
+        child = Session(self.engine, self._sequences.fork(self._seq))
+        child.message_log = self.message_log
+        return child
 
     def fork_for_turn(self) -> "Session":
         """A fork that also takes over this session's draft index (kept in step
@@ -255,6 +265,7 @@ class Session:
     def adopt(self, other: "Session") -> None:
         """Take over other's tokens and pages (other is closed), releasing ours."""
         self._sequences.adopt(self._seq, other._seq)
+        self.message_log = None
 
     def park(self) -> None:
         """Move this idle session's KV out of the pool now (to the second

@@ -163,11 +163,11 @@ class _Turn:
         api.check_kv_quota(tenant)
         lease = api.sessions.lease(tenant, session_id, create=True, cache_salt=body.cache_salt) if session_id else None
         try:
-            # Rendered here only to check the budget: start_chat renders again.
-            prompt = api.tokenizer.apply_chat_template(messages, tools=tools)
-            max_tokens = api.max_tokens(len(prompt), requested)
+            # The budget depends on the prompt's length, which only the turn
+            # knows without rendering the history again.
             turn = api.engine.start_chat(
-                messages, tools, session=lease.session if lease else None, max_tokens=max_tokens,
+                messages, tools, session=lease.session if lease else None,
+                max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested),
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
                 ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
                 namespace=tenant.namespace(body.cache_salt), **constraints(body),

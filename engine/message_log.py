@@ -1,0 +1,69 @@
+"""A session's conversation as messages, so that its next chat turn is
+matched message by message instead of by re-rendering the history.
+
+After a chat turn the session's tokens are the rendered conversation up to
+its reply, with the reply exactly as sampled. The log says which messages
+those are (a digest of each, in a canonical form), with which tools, how
+many tokens they span, and what the template writes after the sampled
+end-of-turn token (the gap, e.g. ChatML's newline). A request whose
+messages begin with exactly those is continued natively: its new messages
+alone are rendered (model.chat_suffix) and tokenized, and the held tokens
+are kept as they are, including a reply the tokenizer would spell
+otherwise and text the template would no longer write.
+
+The canonical form is what a client echoes back: the role, the content
+(stripped; none and empty are one), the name, and tool calls by function
+name and parsed arguments. Tool-call ids are not part of it: the server
+made them up, the model did not say them, and the shipped templates do not
+render them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+CONTINUATIONS = ("native", "template-faithful")
+
+
+def _arguments(arguments: object) -> object:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _calls(message: dict) -> list:
+    out = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call)
+        out.append([fn.get("name"), _arguments(fn.get("arguments"))])
+    return out
+
+
+def digest(message: dict) -> bytes:
+    content = message.get("content")
+    canonical = [message.get("role"), (content or "").strip() if isinstance(content, str) else content,
+                 message.get("name"), _calls(message)]
+    return hashlib.blake2b(json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).digest()
+
+
+def tools_digest(tools: list[dict] | None) -> bytes:
+    return hashlib.blake2b(json.dumps(tools, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class MessageLog:
+    digests: tuple[bytes, ...]  # the conversation's messages, its reply last
+    tools: bytes
+    length: int  # the session's tokens the messages span
+    gap: str  # template text after the last held token, before the next message
+
+    def continues(self, digests: list[bytes], tools: bytes, session_length: int) -> bool:
+        """Whether a request of these messages (and tools) extends the logged
+        conversation by at least one message, on a session still as logged."""
+        n = len(self.digests)
+        return (session_length == self.length and tools == self.tools and len(digests) > n
+                and tuple(digests[:n]) == self.digests)

@@ -1,0 +1,67 @@
+"""Rendering the tail of a conversation without rendering its history.
+
+A chat template renders a whole conversation, but what it writes for the
+newest messages depends on little of what came before: the conversation's
+head (the system message, and the first user message, which some templates
+single out, e.g. to put the tools in it) and the message just before (whose
+role decides, e.g., whether a tool result opens a new user turn). So the
+text that rendering `messages` adds after `messages[:k]` is the text that
+rendering `anchor + messages[k:]` adds after `anchor`, where the anchor is
+that head and `messages[k - 1]`: a render whose cost does not grow with the
+history. tests/test_chat_suffix.py holds every template the project ships
+or tests to it over generated conversations; a template that looks ahead
+(renders a message differently once another follows it) shows as an anchor
+whose render is not a prefix of the longer one, and gets None.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model.tokenizer import TokenizerError
+
+if TYPE_CHECKING:
+    from model.tokenizer import Tokenizer
+
+
+def anchor(messages: list[dict], k: int) -> list[dict]:
+    """What the messages after messages[:k] are rendered behind (k >= 1)."""
+    first = next((i for i, m in enumerate(messages[:k]) if m.get("role") != "system"), k - 1)
+    return messages[:k] if k - 1 <= first + 1 else messages[: first + 1] + [messages[k - 1]]
+
+
+def _render(tokenizer: "Tokenizer", messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                         tokenize=False)
+
+
+def render_suffix(tokenizer: "Tokenizer", messages: list[dict], k: int, tools: list[dict] | None) -> str | None:
+    """The text the render of `messages` (with the generation prompt) has
+    after the render of `messages[:k]` (without), rendered from the anchor
+    only; None if the template does not allow it (or refuses the anchor
+    alone, as Llama 3.1's does a system message without a user message)."""
+    a = anchor(messages, k)
+    try:
+        before = _render(tokenizer, a, tools, False)
+        after = _render(tokenizer, a + messages[k:], tools, True)
+    except TokenizerError:
+        return None
+    return after[len(before):] if after.startswith(before) else None
+
+
+def reply_gap(tokenizer: "Tokenizer", messages: list[dict], reply: dict, tools: list[dict] | None,
+              end_text: str) -> str | None:
+    """What the template writes, rendering `reply` as history after
+    `messages`, past the reply's last end_text (the end-of-turn token the
+    model sampled): ChatML's newline after `<|im_end|>`, nothing for Llama 3.
+    None if the template does not end the reply's message with end_text."""
+    a = anchor(messages, len(messages))
+    try:
+        prompt = _render(tokenizer, a, tools, True)
+        rendered = _render(tokenizer, a + [reply], tools, False)
+    except TokenizerError:
+        return None
+    if not rendered.startswith(prompt):
+        return None
+    body = rendered[len(prompt):]
+    at = body.rfind(end_text)
+    return body[at + len(end_text):] if at >= 0 else None

@@ -1,0 +1,168 @@
+"""Native continuation (engine.chat_turn, engine.message_log) on the
+embedded default model: a chat turn on a session whose messages begin with
+the logged conversation renders and computes only its new messages and
+continues from the reply as the model sampled it, even where re-tokenizing
+that reply gives other tokens; the result is what a fresh prefill of the
+same tokens gives. Template-faithful mode and any mismatch (an edited
+history, a truncated session) re-render and reuse only up to the first
+differing token."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from engine import Engine
+from engine.api import create_app
+from engine.structured import request_grammar
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CITIES = ["Oslo", "Lima", "Baku", "Nuuk", "Kyiv", "Cairo"]
+
+
+def ask(city: str) -> dict:
+    return {"role": "user", "content": f'Next step: call get_weather with city="{city}".'}
+
+
+def echo(result) -> dict:
+    """The reply as an OpenAI client sends it back (arguments as a JSON string)."""
+    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+             for c in result.tool_calls]
+    return {"role": "assistant", "content": result.text or None, "tool_calls": calls or None}
+
+
+def tool_result(city: str) -> dict:
+    return {"role": "tool", "tool_call_id": "call_x", "content": json.dumps({"city": city, "temp_c": len(city)})}
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, Engine]:
+    native = Engine.from_pretrained(num_pages=1024)
+    return {"native": native, "template-faithful": Engine(native.model, native.tokenizer, num_pages=1024,
+                                                          continuation="template-faithful")}
+
+
+def turn(engine: Engine, session, messages: list[dict]):
+    return engine.chat(messages, TOOLS, session=session, max_tokens=48, temperature=0.0)
+
+
+def fresh_reply(engine: Engine, prompt: list[int]) -> list[int]:
+    """The greedy reply of a fresh session prefilled with prompt, under the grammar a chat turn with TOOLS has."""
+    with engine.session() as fresh:
+        fresh.queue(prompt)
+        return fresh.generate(48, temperature=0.0, grammar=request_grammar(engine, TOOLS, None, None, True))
+
+
+def test_native_continuation_computes_only_the_new_messages(engines):
+    engine = engines["native"]
+    with engine.session() as s:
+        messages = [ask("Oslo")]
+        first = turn(engine, s, messages)
+        assert first.tool_calls and s.message_log is not None
+        held = len(s)
+        messages += [echo(first), tool_result("Oslo")]
+        second = turn(engine, s, messages)
+        u = second.usage
+        assert u["native"]
+        prompt = s.tokens[: u["prompt_tokens"]]
+        # The case this is about: the reply as sampled is not how the tokenizer spells its text.
+        full = engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
+        assert prompt != full and engine.tokenizer.decode(prompt) == engine.tokenizer.decode(full)
+        assert prompt[:held] == s.tokens[:held]
+        # Everything held was reused; computed: the new messages, and the reply's last
+        # token, whose KV no step had computed yet.
+        assert u["cached_tokens"] == held - 1 and u["computed_tokens"] == u["prompt_tokens"] - held + 1
+        with engine.session() as fresh:
+            want = fresh.append(prompt)
+        with s.fork() as again:  # the native session's own KV, read back at the prompt's end
+            again.truncate(len(prompt) - 1)
+            assert torch.equal(again.append(prompt[-1:]), want)
+        assert second.token_ids == fresh_reply(engine, prompt)
+
+
+def test_template_faithful_reproduces_a_full_render(engines):
+    engine = engines["template-faithful"]
+    with engine.session() as s:
+        messages = [ask("Lima")]
+        messages += [echo(turn(engine, s, messages)), tool_result("Lima")]
+        second = turn(engine, s, messages)
+        assert not second.usage["native"] and s.message_log is None
+        full = engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
+        assert s.tokens[: second.usage["prompt_tokens"]] == full
+        assert second.token_ids == fresh_reply(engine, full)
+
+
+def test_an_edited_history_falls_back_to_reuse_up_to_the_edit(engines):
+    engine = engines["native"]
+    with engine.session() as s:
+        messages = [ask("Baku")]
+        messages += [echo(turn(engine, s, messages)), tool_result("Baku")]
+        messages += [echo(turn(engine, s, messages)), ask("Nuuk")]
+        assert s.message_log is not None
+        held = s.tokens
+        edited = [{"role": "user", "content": 'Next step: call get_weather with city="Bern".'}] + messages[1:]
+        third = turn(engine, s, edited)
+        assert not third.usage["native"]
+        full = engine.tokenizer.apply_chat_template(edited, tools=TOOLS)
+        assert s.tokens[: third.usage["prompt_tokens"]] == full
+        edit_at = next(i for i, (a, b) in enumerate(zip(held, full)) if a != b)
+        assert third.usage["cached_tokens"] <= edit_at
+        assert third.token_ids == fresh_reply(engine, full)
+
+
+def test_a_truncated_session_forgets_its_log(engines):
+    engine = engines["native"]
+    with engine.session() as s:
+        messages = [ask("Kyiv")]
+        messages += [echo(turn(engine, s, messages)), tool_result("Kyiv")]
+        s.truncate(len(s) - 3)
+        assert s.message_log is None
+        second = turn(engine, s, messages)
+        assert not second.usage["native"]
+        assert s.tokens[: second.usage["prompt_tokens"]] == engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
+
+
+def test_native_turns_render_only_the_new_messages(engines, monkeypatch):
+    """Host work per turn does not grow with the history: each render is of
+    the conversation's head, the last held message and the new ones."""
+    engine = engines["native"]
+    tok = engine.tokenizer
+    rendered: list[int] = []
+    original = type(tok).apply_chat_template
+
+    def counting(self, messages, *args, **kwargs):
+        rendered.append(len(messages))
+        return original(self, messages, *args, **kwargs)
+
+    with engine.session() as s:
+        messages = [{"role": "system", "content": "You are a weather agent."}, ask(CITIES[0])]
+        first = turn(engine, s, messages)
+        monkeypatch.setattr(type(tok), "apply_chat_template", counting)
+        for city, nxt in zip(CITIES, CITIES[1:]):
+            messages += [echo(first), tool_result(city), ask(nxt)]
+            rendered.clear()
+            first = turn(engine, s, messages)
+            assert first.usage["native"], city
+            # The head (system, first user), the last held message, the three new ones.
+            assert max(rendered) <= 2 + 1 + 3
+        assert len(messages) == 2 + 3 * (len(CITIES) - 1)
+
+
+def test_chat_completions_continue_natively_over_http(engines):
+    engine = engines["native"]
+    with TestClient(create_app(engine, "agentkv-native")) as client:
+        messages, last = [ask("Cairo")], None
+        for city in ("Cairo", "Oslo"):
+            r = client.post("/v1/chat/completions", json={
+                "model": "agentkv-native", "messages": messages, "tools": TOOLS, "max_tokens": 48,
+                "temperature": 0.0, "session_id": "native-http"}).json()
+            usage = r["usage"]
+            if last is not None:  # all of the previous turn (but the reply's last token) reused
+                assert usage["prompt_tokens_details"]["cached_tokens"] == last["total_tokens"] - 1
+            last = usage
+            message = r["choices"][0]["message"]
+            messages += [{k: v for k, v in message.items() if v is not None}, tool_result(city)]
