@@ -11,7 +11,6 @@ from __future__ import annotations
 import secrets
 from typing import Iterable
 
-from engine.api.chat import template_message
 from engine.api.errors import APIError
 from engine.api.responses_schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem
 from engine.api.schemas import (
@@ -23,6 +22,7 @@ from engine.api.schemas import (
     ToolCall,
     ToolMessage,
     UserMessage,
+    template_message,
 )
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
