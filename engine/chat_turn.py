@@ -31,6 +31,7 @@ from cache.tokens import common_prefix_len
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.message_log import MessageLog, digest, tools_digest
 from engine.request import OnDone, OnTokens, Request
+from engine.stops import cut_at_stop
 from engine.structured import request_grammar
 from model.chat_suffix import render_suffix, reply_gap
 from model.tool_calls import parse_tool_calls
@@ -132,9 +133,7 @@ class ChatTurn:
             session.truncate(0)
         ids = req.output
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:  # OpenAI semantics: the stop string is not part of the reply
-            text = text[:cut]
+        text, _ = cut_at_stop(text, self.stops)
         content, calls = parse_tool_calls(text)
         if session is not None and not self.engine.stateless:
             session.adopt(work)

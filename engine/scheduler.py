@@ -38,6 +38,7 @@ from engine.runner import ModelRunner, StepItem
 from engine.sequence import Sequence
 from engine.sequences import Sequences
 from engine.stats import SchedulerCounters, TurnStats
+from engine.stops import first_stop
 from model.sampler import make_generator
 from profiling.nvtx import nvtx_range
 
@@ -489,7 +490,7 @@ class Scheduler:
         # Only the tail can newly contain a stop string: decode a window long
         # enough for the longest one.
         tail = self.decode(out[-(max(map(len, stops)) + 8) :])
-        return any(s in tail for s in stops)
+        return first_stop(tail, stops) is not None
 
     def _file_turn(self, req: Request) -> None:
         seq = req.seq

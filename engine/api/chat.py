@@ -43,7 +43,6 @@ from engine.api.generation import Generation
 from engine.api.replies import ReplyText
 from engine.api.schemas import (
     SESSION_ID_PATTERN,
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -52,11 +51,10 @@ from engine.api.schemas import (
     ChunkChoice,
     ChunkToolCall,
     Delta,
-    Message,
     NamedToolChoice,
-    SystemMessage,
     TurnRecord,
     Usage,
+    template_message,
 )
 from engine.api.sessions import Lease
 from engine.api.sse import DONE, error_event, event, event_stream
@@ -64,18 +62,6 @@ from engine.api.state import ApiState
 from engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter()
-
-
-def template_message(message: Message) -> dict:
-    """The message as chat templates read it: text parts joined, developer as system."""
-    out = message.model_dump(exclude_none=True)
-    if isinstance(message.content, list):
-        out["content"] = "\n".join(part.text for part in message.content)
-    if isinstance(message, SystemMessage):
-        out["role"] = "system"
-    if isinstance(message, AssistantMessage):
-        out.pop("refusal", None)
-    return out
 
 
 def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:

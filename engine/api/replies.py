@@ -18,18 +18,13 @@ import re
 from dataclasses import dataclass
 
 from engine.api.schemas import ResponseFunctionCall, ResponseToolCall
+from engine.stops import cut_at_stop, first_stop
 from model.tokenizer import IncrementalDecoder, Tokenizer
 from model.tool_calls import parse_tool_calls
 
 # What starts a tool call in each format's replies.
 _MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",)}
 _FIRST_CHAR = re.compile(r"\s*(\S?)")
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """The text before the first stop string, and whether one was found."""
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
 
 
 @dataclass
@@ -93,9 +88,9 @@ class ReplyText:
             return ""
         # Text before shown - longest was searched already, on earlier pushes.
         start = max(0, self._shown - self._longest)
-        hits = [i for b in self._barriers if (i := self._text.find(b, start)) >= 0]
-        if hits:
-            end, self._ended = min(hits), True
+        end = first_stop(self._text, self._barriers, start)
+        if end is not None:
+            self._ended = True
             if self._tool_format and not self._text.startswith(self._stops, end):
                 end = len(self._text[:end].rstrip())  # the parser strips the text before a call
         elif final:

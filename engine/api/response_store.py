@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.api.errors import not_found
-from engine.api.held_text import HeldText
 from engine.api.quotas import check_held
 from engine.api.response_files import ResponseFiles, SavedResponse
 from engine.api.responses_schemas import Response
@@ -41,6 +40,37 @@ if TYPE_CHECKING:
     from engine import Engine, Session
 
 log = logging.getLogger("agentkv.responses")
+
+
+@dataclass(frozen=True)
+class HeldText:
+    """The text a stored response's session spells: the pieces its turns added,
+    each turn's piece linked to the one before, so that a conversation of n
+    turns keeps its text once rather than n times."""
+
+    parent: "HeldText | None"
+    piece: str
+    end: int = field(init=False)  # the length of the whole text
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "end", (self.parent.end if self.parent else 0) + len(self.piece))
+
+    def text(self) -> str:
+        pieces, node = [], self
+        while node is not None:
+            pieces.append(node.piece)
+            node = node.parent
+        return "".join(reversed(pieces))
+
+    def is_prefix_of(self, text: str) -> bool:
+        if len(text) < self.end:
+            return False
+        node: HeldText | None = self
+        while node is not None:
+            if not text.startswith(node.piece, node.end - len(node.piece)):
+                return False
+            node = node.parent
+        return True
 
 
 @dataclass(eq=False)

@@ -1,19 +1,48 @@
-"""One Responses API turn on the engine: plan what to append (continuation),
-fork or start the session, generate, and build and store the response."""
+"""One Responses API turn on the engine: the request's items as chat
+messages, what to append to which session, the generation, and the response
+built and stored.
+
+The items become chat messages after the conversation so far (the previous
+responses' input and replies), as chat completions would be sent them: user
+and system messages as they are (developer as system), each function_call
+joined to the assistant message just before it in the same input (or a
+message of its own), each function_call_output a tool message, a reply (its
+text and its calls) one assistant message. The whole conversation is
+rendered with the chat template. The previous response's session already
+holds the KV of a prefix of that text: the text its tokens spell (its prompt,
+then the reply as generated, ending at EOS, say `<|im_end|>`, where the
+template also writes a newline). Only the rest, the new turn's text, is
+tokenized and appended to a fork of that session; the history is neither
+re-tokenized nor recomputed.
+
+The rest is cut off the rendered text only where tokenizing it alone gives
+the tokens tokenizing the whole would: at an added token (`<|im_end|>`,
+`<|im_start|>`, ...), which the tokenizer splits on before anything else.
+When the session's text is not a prefix of the rendering (other
+instructions or tools, a reply the template writes differently, a cut inside
+a character), the turn starts from a new session with the whole rendering,
+and the prefix cache finds what it can: slower, never wrong.
+
+The turn is begun and finished off the event loop (ResponseTurn), on a fork
+or a new session, so an error or a cancellation changes nothing stored.
+"""
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
-from engine.api.continuation import Plan, plan, retokenize_reply
-from engine.api.held_text import HeldText
+from cache.tokens import common_prefix_len
+from engine.api.errors import APIError
 from engine.api.replies import ReplyText
-from engine.api.response_items import Item, listed, new_item_id, reply_message
-from engine.api.response_store import ResponseStore, StoredResponse
+from engine.api.response_store import HeldText, ResponseStore, StoredResponse
 from engine.api.responses_schemas import (
+    FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
+    Item,
+    MessageItem,
     NamedFunctionChoice,
     OutputFunctionCall,
     OutputItem,
@@ -23,7 +52,19 @@ from engine.api.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from engine.api.schemas import FunctionDefinition, Tool
+from engine.api.schemas import (
+    AssistantMessage,
+    FunctionCall,
+    FunctionDefinition,
+    Message,
+    ResponseToolCall,
+    SystemMessage,
+    Tool,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+    template_message,
+)
 from engine.request import OnDone, OnTokens
 from engine.structured import request_grammar
 
@@ -34,6 +75,135 @@ if TYPE_CHECKING:
     from engine.api.state import ApiState
     from engine.grammar import Grammar
     from engine.stats import TurnStats
+    from model.tokenizer import Tokenizer
+
+
+_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+
+
+def new_item_id(item_type: str) -> str:
+    return _ID_PREFIX[item_type] + secrets.token_hex(12)
+
+
+def system_message(text: str) -> dict:
+    return template_message(SystemMessage(role="system", content=text))
+
+
+def call_ids(messages: Iterable[dict]) -> set[str]:
+    return {call["id"] for m in messages for call in m.get("tool_calls", ())}
+
+
+def to_messages(items: list[Item], known_calls: set[str]) -> list[dict]:
+    """The items as chat messages; 400 for an output of a call that no
+    function_call before it (here or earlier in the conversation) made."""
+    messages: list[Message] = []
+    known = set(known_calls)
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem):
+            messages.append(_message(item))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if isinstance(last, AssistantMessage):
+                last.tool_calls = [*(last.tool_calls or ()), call]
+            else:
+                messages.append(AssistantMessage(role="assistant", tool_calls=[call]))
+            known.add(item.call_id)
+        else:
+            if item.call_id not in known:
+                raise APIError(400, f"input[{i}] is the output of call {item.call_id!r}, but no function_call made it",
+                               code="invalid_call_id", param=f"input.{i}.call_id")
+            messages.append(ToolMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+    return [template_message(m) for m in messages]
+
+
+def _message(item: MessageItem) -> Message:
+    if item.role == "user":
+        return UserMessage(role="user", content=item.text())
+    if item.role == "assistant":
+        return AssistantMessage(role="assistant", content=item.text())
+    return SystemMessage(role=item.role, content=item.text())
+
+
+def reply_message(content: str | None, calls: list[ResponseToolCall]) -> dict:
+    tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.function.name, arguments=c.function.arguments)) for c in calls]
+    return template_message(AssistantMessage(role="assistant", content=content, tool_calls=tool_calls or None))
+
+
+def listed(items: list[Item]) -> list[dict]:
+    """The items as input_items lists them: each with an id."""
+    return [{"id": item.id or new_item_id(item.type), **item.model_dump(exclude_none=True, exclude={"id"})} for item in items]
+
+
+@dataclass(frozen=True)
+class Plan:
+    base: StoredResponse | None  # whose session to fork; None: a new session
+    held: HeldText | None  # what that session's tokens spell
+    delta_text: str
+    delta_ids: list[int]
+    messages: list[dict]  # the request's items as chat messages
+
+    @property
+    def prompt_len(self) -> int:
+        return (len(self.base.session) if self.base else 0) + len(self.delta_ids)
+
+
+def plan(
+    tokenizer: "Tokenizer", previous: StoredResponse | None, items: list[Item], instructions: str | None,
+    tools: list[dict] | None, max_prompt: int | None = None,
+) -> Plan:
+    """What a turn appends (its items, rendered after the conversation so far) and to which session.
+    With max_prompt (truncation "auto"), a longer prompt drops the conversation's oldest messages
+    until it fits, and starts a new session; if even the newest alone does not, it is left whole
+    (for the budget check to refuse)."""
+    history = previous.conversation() if previous else []
+    messages = to_messages(items, call_ids(history))
+    system = [system_message(instructions)] if instructions else []
+    text = tokenizer.apply_chat_template(system + history + messages, tools=tools, tokenize=False)
+    base = previous if previous is not None and _continues(tokenizer, previous.held, text) else None
+    held = base.held if base else None
+    delta = text[held.end :] if held else text
+    whole = Plan(base, held, delta, tokenizer.encode(delta), messages)
+    if max_prompt is None or whole.prompt_len <= max_prompt:
+        return whole
+    conversation = history + messages
+    for start in range(1, len(conversation)):
+        text = tokenizer.apply_chat_template(system + conversation[start:], tools=tools, tokenize=False)
+        ids = tokenizer.encode(text)
+        if len(ids) <= max_prompt:
+            return Plan(None, None, text, ids, messages)
+    return whole
+
+
+def _added_tokens(tokenizer: "Tokenizer") -> dict[int, str]:
+    return {i: token.content for i, token in tokenizer.backend.get_added_tokens_decoder().items()}
+
+
+def _continues(tokenizer: "Tokenizer", held: HeldText, text: str) -> bool:
+    if not held.is_prefix_of(text):
+        return False
+    rest = text[held.end :]
+    return any(held.piece.endswith(a) or rest.startswith(a) for a in _added_tokens(tokenizer).values())
+
+
+def retokenize_reply(tokenizer: "Tokenizer", session: "Session", prompt_len: int) -> None:
+    """Hold the reply as the rendered conversation tokenizes it. The model may
+    spell its text in tokens the tokenizer would not choose (a grammar that
+    masks token by token often makes it): kept, the next turn's prompt would
+    differ from the whole conversation's. From the first such token on, the
+    tail is replaced by the tokenizer's (made pending: the next turn computes
+    it with its own tokens, as chat completions recompute from a difference).
+    The tail starts after the last added token before the reply, where the
+    tokenizer splits anyway."""
+    tokens, added = session.tokens, _added_tokens(tokenizer)
+    start = next((i + 1 for i in range(prompt_len - 1, -1, -1) if tokens[i] in added), 0)
+    drawn = tokens[start:]
+    canonical = tokenizer.encode(tokenizer.decode(drawn))
+    if canonical != drawn:
+        same = common_prefix_len(drawn, canonical)
+        session.truncate(start + same)
+        if canonical[same:]:
+            session.queue(canonical[same:])
 
 
 @dataclass(frozen=True)
@@ -175,4 +345,3 @@ def _finished(turn: TurnRequest, reply: "Reply", stats: "TurnStats", generated: 
     )
     incomplete = IncompleteDetails(reason="max_output_tokens") if cut else None
     return turn.shell.model_copy(update={"status": status, "output": output, "usage": usage, "incomplete_details": incomplete})
-

@@ -3,8 +3,8 @@ GET /v1/responses/{id}/input_items.
 
 A response made with store (the default) keeps its session; a request naming
 it as previous_response_id sends only the new items, and only their tokens are
-computed (see response_turn). A response can be continued any number of times,
-each continuation on a fork of its session. Unknown, deleted, unstored
+computed (engine.api.response_turn). A response can be continued any number
+of times, each continuation on a fork of its session. Unknown, deleted, unstored
 (store=false) and other tenants' responses are 404s. The tenant is the API
 key's (engine.api.tenants); a response's KV is in its tenant's namespace,
 salted with the request's cache_salt, and a continuation must carry the
@@ -12,22 +12,41 @@ same cache_salt (400 otherwise).
 
 A response is stored once it is complete: while it is generating, GET answers
 404. An error leaves every stored response as it was.
+
+Streaming is as OpenAI streams Responses: typed server-sent events
+(`event: <type>` and `data: <json>` with the same type and a
+sequence_number), no [DONE]. The reply's text goes out as it is decoded
+(held back where it could still become a tool call, as chat completions
+do); its message item is opened at the first text shown. Function calls go
+out once the reply has ended, each as an item with its arguments in one
+delta. The last event carries the whole response: response.completed, or
+response.incomplete when it ran out of max_output_tokens; an error after the
+stream began is one `error` event.
 """
 from __future__ import annotations
 
+import json
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, AsyncIterator, Literal
 
 from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
 
-from engine.api.errors import APIError
+from engine.api.errors import APIError, from_exception
 from engine.api.generation import Generation
 from engine.api.replies import ReplyText
-from engine.api.response_items import new_item_id
 from engine.api.response_store import ResponseStore, StoredResponse
-from engine.api.response_turn import ResponseTurn, TurnRequest, shell
-from engine.api.responses_schemas import InputItemList, NamedFunctionChoice, Response, ResponseDeleted, ResponsesRequest
-from engine.api.responses_stream import response_events
+from engine.api.response_turn import ResponseTurn, Turn, TurnRequest, new_item_id, shell
+from engine.api.responses_schemas import (
+    InputItemList,
+    NamedFunctionChoice,
+    OutputFunctionCall,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponseDeleted,
+    ResponsesRequest,
+)
 from engine.api.sse import event_stream
 from engine.api.state import ApiState
 from engine.api.tenants import tenant_of
@@ -76,7 +95,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     if not body.stream:
         return (await gen.result_unless_gone(request)).response
     await gen.started()
-    return event_stream(response_events(gen, text, turn.shell, turn.message_id, api.stop_ids), gen.abandon)
+    return event_stream(_events(gen, text, turn.shell, turn.message_id, api.stop_ids), gen.abandon)
 
 
 @router.get("/{response_id}")
@@ -109,3 +128,69 @@ def list_input_items(
         data=page, first_id=page[0]["id"] if page else None, last_id=page[-1]["id"] if page else None,
         has_more=start + limit < len(items),
     )
+
+
+class _SequencedEvents:
+    def __init__(self) -> None:
+        self._sequence = 0
+
+    def __call__(self, type: str, **fields: object) -> str:
+        data = {"type": type, "sequence_number": self._sequence}
+        data.update({k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in fields.items()})
+        self._sequence += 1
+        return f"event: {type}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(
+    gen: Generation[Turn], text: ReplyText, shell: Response, message_id: str, stop_ids: list[int]
+) -> AsyncIterator[str]:
+    ev = _SequencedEvents()
+    yield ev("response.created", response=shell)
+    yield ev("response.in_progress", response=shell)
+    message = OutputMessage(id=message_id, status="in_progress", content=[])
+    opened = False
+    async for ids in gen.tokens():
+        if delta := text.push(ids):
+            if not opened:
+                opened = True
+                for event in _open_message(ev, message):
+                    yield event
+            yield ev("response.output_text.delta", item_id=message.id, output_index=0, content_index=0, delta=delta, logprobs=[])
+    try:
+        turn = await gen.result()
+    except Exception as e:
+        error = from_exception(e)
+        yield ev("error", code=error.code, message=error.message, param=error.param)
+        return
+    rest, _ = text.finish(turn.token_ids, stop_ids)
+    for index, item in enumerate(turn.response.output):
+        if isinstance(item, OutputMessage):
+            if not opened:
+                for event in _open_message(ev, message):
+                    yield event
+            if rest:
+                yield ev("response.output_text.delta", item_id=item.id, output_index=index, content_index=0, delta=rest, logprobs=[])
+            part = item.content[0]
+            yield ev("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text, logprobs=[])
+            yield ev("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part)
+        else:
+            for event in _function_call(ev, item, index):
+                yield event
+        yield ev("response.output_item.done", output_index=index, item=item)
+    yield ev(f"response.{turn.response.status}", response=turn.response)
+
+
+def _open_message(ev: _SequencedEvents, message: OutputMessage) -> list[str]:
+    return [
+        ev("response.output_item.added", output_index=0, item=message),
+        ev("response.content_part.added", item_id=message.id, output_index=0, content_index=0, part=OutputText(text="")),
+    ]
+
+
+def _function_call(ev: _SequencedEvents, item: OutputFunctionCall, index: int) -> list[str]:
+    started = item.model_copy(update={"arguments": "", "status": "in_progress"})
+    return [
+        ev("response.output_item.added", output_index=index, item=started),
+        ev("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=item.arguments),
+        ev("response.function_call_arguments.done", item_id=item.id, output_index=index, name=item.name, arguments=item.arguments),
+    ]

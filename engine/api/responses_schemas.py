@@ -68,6 +68,9 @@ class FunctionCallOutputItem(RequestBody):
     status: ItemStatus | None = None
 
 
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
 def _item_type(value: Any) -> str:
     if isinstance(value, dict):
         return value.get("type", "message")
@@ -219,7 +222,7 @@ class ResponsesRequest(ServingOptions):
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None
 
-    def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def items(self) -> list[Item]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)

@@ -81,6 +81,18 @@ class ToolMessage(RequestBody):
 Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
+def template_message(message: Message) -> dict:
+    """The message as chat templates read it: text parts joined, developer as system."""
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        out["content"] = "\n".join(part.text for part in message.content)
+    if isinstance(message, SystemMessage):
+        out["role"] = "system"
+    if isinstance(message, AssistantMessage):
+        out.pop("refusal", None)
+    return out
+
+
 class FunctionDefinition(RequestBody):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
