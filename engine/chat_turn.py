@@ -51,7 +51,7 @@ class ChatResult:
 
 
 @dataclass(frozen=True)
-class _Prompt:
+class Prompt:
     ids: list[int]  # what to queue after the reused tokens
     reused: int  # tokens of the session kept as they are
     native: bool  # continued from the message log
@@ -94,8 +94,8 @@ class ChatTurn:
         digests = [digest(m) for m in messages] if native else None
         work = session.fork_for_turn() if session is not None else engine.session(namespace)
         try:
-            prompt = (_native_prompt(engine, session, messages, tools, digests) if native else None) \
-                or _rendered_prompt(engine, work, messages, tools)
+            prompt = (native_prompt(engine, session, messages, tools, digests) if native else None) \
+                or rendered_prompt(engine, work, messages, tools)
             prompt_len = prompt.reused + len(prompt.ids)
             if prompt_len >= engine.max_context:
                 raise ContextLengthError(f"the prompt's {prompt_len} tokens leave no room in the context of {engine.max_context}")
@@ -168,8 +168,8 @@ class ChatTurn:
         return MessageLog(tuple(self.digests) + (digest(reply),), tools_digest(self.tools), len(tokens), gap)
 
 
-def _native_prompt(engine: "Engine", session: "Session", messages: list[dict], tools: list[dict] | None,
-                   digests: list[bytes]) -> _Prompt | None:
+def native_prompt(engine: "Engine", session: "Session", messages: list[dict], tools: list[dict] | None,
+                   digests: list[bytes]) -> Prompt | None:
     """The new messages alone, after the held tokens; None if the session's log does not match."""
     log = session.message_log
     if log is None or not log.continues(digests, tools_digest(tools), len(session)):
@@ -179,13 +179,13 @@ def _native_prompt(engine: "Engine", session: "Session", messages: list[dict], t
         return None
     # The gap starts after an end-of-turn token, an added token the tokenizer
     # splits on: tokenized alone it gives what tokenizing the whole would.
-    return _Prompt(engine.tokenizer.encode(log.gap + suffix), log.length, True)
+    return Prompt(engine.tokenizer.encode(log.gap + suffix), log.length, True)
 
 
-def _rendered_prompt(engine: "Engine", work: "Session", messages: list[dict], tools: list[dict] | None) -> _Prompt:
+def rendered_prompt(engine: "Engine", work: "Session", messages: list[dict], tools: list[dict] | None) -> Prompt:
     """The whole conversation rendered; the longest common prefix with the session kept."""
     prompt = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     if not prompt:
         raise InvalidRequestError("the rendered prompt is empty")
     reused = 0 if engine.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)
-    return _Prompt(prompt[reused:], reused, False)
+    return Prompt(prompt[reused:], reused, False)

@@ -44,10 +44,21 @@ def _calls(message: dict) -> list:
 
 
 def digest(message: dict) -> bytes:
+    # Plain fields are hashed as they are, each after its length (so no
+    # field's text can pass for a boundary); only tool calls need JSON's
+    # canonical form: they are what clients re-serialise (spacing, key order).
+    h = hashlib.blake2b(digest_size=16)
     content = message.get("content")
-    canonical = [message.get("role"), (content or "").strip() if isinstance(content, str) else content,
-                 message.get("name"), _calls(message)]
-    return hashlib.blake2b(json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).digest()
+    content = (content or "").strip() if content is None or isinstance(content, str) else json.dumps(
+        content, sort_keys=True, ensure_ascii=False)
+    for part in (message.get("role"), content, message.get("name") or ""):
+        data = str(part).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    calls = _calls(message)
+    if calls:
+        h.update(json.dumps(calls, sort_keys=True, ensure_ascii=False).encode())
+    return h.digest()
 
 
 def tools_digest(tools: list[dict] | None) -> bytes:
