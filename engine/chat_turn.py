@@ -153,16 +153,17 @@ class ChatTurn:
 
     def _log(self, session: "Session", content: str, calls: list[dict]) -> MessageLog | None:
         """The session's messages after this turn, if its next can continue
-        natively: the reply ended on an end-of-turn token, which the
-        template also ends the reply's message with."""
+        natively: the template's text after the reply is known (see
+        model.chat_suffix.reply_gap; not after a stop string, which the
+        reply's text no longer holds)."""
         tokens = session.tokens
-        if not tokens or tokens[-1] not in self.engine.eos_token_ids:
-            return None
         reply = {"role": "assistant", "content": content or None, "tool_calls": [
             {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
             for c in calls] or None}
         tokenizer = self.engine.tokenizer
-        gap = reply_gap(tokenizer, self.messages, reply, self.tools, tokenizer.decode(tokens[-1:]))
+        ended = tokens[-1] in self.engine.eos_token_ids
+        gap = reply_gap(tokenizer, self.messages, reply, self.tools, tokenizer.decode(tokens[self.prompt_len:]),
+                        tokenizer.decode(tokens[-1:]) if ended else None)
         if gap is None:
             return None
         return MessageLog(tuple(self.digests) + (digest(reply),), tools_digest(self.tools), len(tokens), gap)
@@ -177,8 +178,8 @@ def native_prompt(engine: "Engine", session: "Session", messages: list[dict], to
     suffix = render_suffix(engine.tokenizer, messages, len(log.digests), tools)
     if suffix is None:
         return None
-    # The gap starts after an end-of-turn token, an added token the tokenizer
-    # splits on: tokenized alone it gives what tokenizing the whole would.
+    # Tokenized on its own: the held tokens stay as they are (after a sampled
+    # end-of-turn token, an added token, this is also how the whole would tokenize).
     return Prompt(engine.tokenizer.encode(log.gap + suffix), log.length, True)
 
 

@@ -4,8 +4,9 @@ matched message by message instead of by re-rendering the history.
 After a chat turn the session's tokens are the rendered conversation up to
 its reply, with the reply exactly as sampled. The log says which messages
 those are (a digest of each, in a canonical form), with which tools, how
-many tokens they span, and what the template writes after the sampled
-end-of-turn token (the gap, e.g. ChatML's newline). A request whose
+many tokens they span, and what the template writes after the last held
+token to end the reply's message (the gap: ChatML's newline after a sampled
+`<|im_end|>`, or `<|im_end|>` itself after a reply cut by max_tokens). A request whose
 messages begin with exactly those is continued natively: its new messages
 alone are rendered (model.chat_suffix) and tokenized, and the held tokens
 are kept as they are, including a reply the tokenizer would spell

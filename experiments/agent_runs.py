@@ -58,6 +58,7 @@ class Reply:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str
+    completion_tokens: int = 0
 
 
 Client = Callable[[str, list[dict], list[dict], int], Reply]
@@ -76,6 +77,7 @@ class TurnRecord:
     finish_reason: str = ""
     text: str = ""  # the reply as it went into the history (text and calls), to compare systems
     error: str | None = None
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -167,7 +169,7 @@ def run_agent(conv: Conversation, client: Client, max_tokens: int, pauses: Pause
         reference = [c["function"]["name"] for c in conv.messages[i].get("tool_calls") or []]
         pause = pauses.draw(conv.agent, k, called or reference) if k + 1 < len(at) else 0.0
         turns.append(TurnRecord(conv.agent, k, latency, pause, r.prompt_tokens, r.cached_tokens, called,
-                                r.finish_reason, reply_text(messages[i])))
+                                r.finish_reason, reply_text(messages[i]), completion_tokens=r.completion_tokens))
         time.sleep(pause)
     return AgentRecord(conv.agent, len(at), time.perf_counter() - start, turns)
 
@@ -236,4 +238,5 @@ def openai_reply(response) -> Reply:
     usage = response.usage
     details = getattr(usage, "prompt_tokens_details", None)
     cached = (getattr(details, "cached_tokens", None) or 0) if details is not None else 0
-    return Reply(choice.message.content, calls, usage.prompt_tokens, cached, choice.finish_reason)
+    return Reply(choice.message.content, calls, usage.prompt_tokens, cached, choice.finish_reason,
+                 usage.completion_tokens)

@@ -49,11 +49,15 @@ def render_suffix(tokenizer: "Tokenizer", messages: list[dict], k: int, tools: l
 
 
 def reply_gap(tokenizer: "Tokenizer", messages: list[dict], reply: dict, tools: list[dict] | None,
-              end_text: str) -> str | None:
+              said: str, end_text: str | None) -> str | None:
     """What the template writes, rendering `reply` as history after
-    `messages`, past the reply's last end_text (the end-of-turn token the
-    model sampled): ChatML's newline after `<|im_end|>`, nothing for Llama 3.
-    None if the template does not end the reply's message with end_text."""
+    `messages`, past what the model said (`said`: the reply's tokens decoded,
+    special tokens included). Where the template writes the reply as said,
+    that is the rest of its message: ChatML's newline after a sampled
+    `<|im_end|>`, or `<|im_end|>` and the newline after a reply cut by
+    max_tokens. Where it writes the reply otherwise (re-serialised tool
+    calls), it is what follows the last end_text, the end-of-turn token the
+    reply ended on. None if neither applies."""
     a = anchor(messages, len(messages))
     try:
         prompt = _render(tokenizer, a, tools, True)
@@ -63,5 +67,7 @@ def reply_gap(tokenizer: "Tokenizer", messages: list[dict], reply: dict, tools: 
     if not rendered.startswith(prompt):
         return None
     body = rendered[len(prompt):]
-    at = body.rfind(end_text)
+    if body.startswith(said):
+        return body[len(said):]
+    at = body.rfind(end_text) if end_text and said.endswith(end_text) else -1
     return body[at + len(end_text):] if at >= 0 else None

@@ -70,9 +70,14 @@ def test_reply_gap_is_what_follows_the_end_of_turn(tokenizers, name, data, tools
             prompt, history = render(tok, messages[: k - 1], tools, True), render(tok, messages[:k], tools, False)
         except TokenizerError:
             continue
-        gap = reply_gap(tok, messages[: k - 1], messages[k - 1], tools, end)
+        # As if the model had said something else than the template writes: the end-of-turn token decides.
+        gap = reply_gap(tok, messages[: k - 1], messages[k - 1], tools, "\x00" + end, end)
         assert gap is not None or (name == "named" and tools is None), (name, k)  # as for suffixes
         if gap is None:  # only if the prompt is not where the reply starts, or no end-of-turn token ends it
             assert not history.startswith(prompt) or end not in history[len(prompt):]
             continue
         assert history.startswith(prompt) and history.endswith(end + gap)
+        # A reply cut before its end-of-turn token: the template's text from there on.
+        body = history[len(prompt):]
+        cut = body[: body.rfind(end)]
+        assert reply_gap(tok, messages[: k - 1], messages[k - 1], tools, cut, None) == body[len(cut):]

@@ -84,6 +84,22 @@ def test_native_continuation_computes_only_the_new_messages(engines):
         assert second.token_ids == fresh_reply(engine, prompt)
 
 
+def test_a_reply_cut_by_max_tokens_continues_natively(engines):
+    engine = engines["native"]
+    with engine.session() as s:
+        messages = [ask("Lima")]
+        cut = engine.chat(messages, TOOLS, session=s, max_tokens=5, temperature=0.0)
+        assert cut.finish_reason == "length" and s.message_log is not None
+        held = len(s)
+        messages += [{"role": "assistant", "content": cut.text}, {"role": "user", "content": "Go on."}]
+        second = turn(engine, s, messages)
+        assert second.usage["native"] and second.usage["cached_tokens"] == held - 1
+        prompt = s.tokens[: second.usage["prompt_tokens"]]
+        # The template's end of the cut reply's message, then the new message.
+        assert engine.tokenizer.decode(prompt[held:]).startswith("<|im_end|>\n<|im_start|>user\nGo on.")
+        assert second.token_ids == fresh_reply(engine, prompt)
+
+
 def test_template_faithful_reproduces_a_full_render(engines):
     engine = engines["template-faithful"]
     with engine.session() as s:
