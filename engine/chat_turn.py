@@ -33,7 +33,7 @@ from engine.message_log import MessageLog, digest, tools_digest
 from engine.request import OnDone, OnTokens, Request
 from engine.stops import cut_at_stop
 from engine.structured import request_grammar
-from model.chat_suffix import render_suffix, reply_gap
+from model.chat_suffix import render_suffix, reply_gap, tool_result_opening
 from model.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class ChatTurn:
             session.end_turn([c["name"] for c in calls])
             if self.digests is not None:
                 session.message_log = self._log(session, content, calls)
+                if calls and session.message_log is not None and self.engine.preposition:
+                    self._preposition(session, content, calls)
         usage = {
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(ids),
@@ -151,15 +153,21 @@ class ChatTurn:
         }
         return ChatResult(content, calls, usage, "tool_calls" if calls else req.finish_reason, ids)
 
+    def _preposition(self, session: "Session", content: str, calls: list[dict]) -> None:
+        """While the tools run: hold what the template writes before their
+        results, for the scheduler to compute when it is idle."""
+        opening = tool_result_opening(self.engine.tokenizer, self.messages + [_reply_message(content, calls)],
+                                      self.tools)
+        if opening:
+            session.preposition(self.engine.tokenizer.encode(session.message_log.gap + opening))
+
     def _log(self, session: "Session", content: str, calls: list[dict]) -> MessageLog | None:
         """The session's messages after this turn, if its next can continue
         natively: the template's text after the reply is known (see
         model.chat_suffix.reply_gap; not after a stop string, which the
         reply's text no longer holds)."""
         tokens = session.tokens
-        reply = {"role": "assistant", "content": content or None, "tool_calls": [
-            {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-            for c in calls] or None}
+        reply = _reply_message(content, calls)
         tokenizer = self.engine.tokenizer
         ended = tokens[-1] in self.engine.eos_token_ids
         gap = reply_gap(tokenizer, self.messages, reply, self.tools, tokenizer.decode(tokens[self.prompt_len:]),
@@ -167,6 +175,13 @@ class ChatTurn:
         if gap is None:
             return None
         return MessageLog(tuple(self.digests) + (digest(reply),), tools_digest(self.tools), len(tokens), gap)
+
+
+def _reply_message(content: str, calls: list[dict]) -> dict:
+    """The reply as a client echoes it back."""
+    return {"role": "assistant", "content": content or None, "tool_calls": [
+        {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        for c in calls] or None}
 
 
 def native_prompt(engine: "Engine", session: "Session", messages: list[dict], tools: list[dict] | None,
@@ -180,7 +195,11 @@ def native_prompt(engine: "Engine", session: "Session", messages: list[dict], to
         return None
     # Tokenized on its own: the held tokens stay as they are (after a sampled
     # end-of-turn token, an added token, this is also how the whole would tokenize).
-    return Prompt(engine.tokenizer.encode(log.gap + suffix), log.length, True)
+    ids = engine.tokenizer.encode(log.gap + suffix)
+    # What was pre-positioned is kept as far as the turn does begin so; the
+    # rest of it is truncated away before the turn's tokens are queued.
+    kept = common_prefix_len(ids, list(log.ahead)) if log.ahead else 0
+    return Prompt(ids[kept:], log.length + kept, True)
 
 
 def rendered_prompt(engine: "Engine", work: "Session", messages: list[dict], tools: list[dict] | None) -> Prompt:

@@ -68,6 +68,7 @@ class Engine:
         kv_offload_disk_bytes: int = DEFAULT_KV_OFFLOAD_DISK_BYTES,
         kv_offload_codec: str = "pool",
         continuation: str = "native",
+        preposition: bool = True,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -108,6 +109,9 @@ class Engine:
         if continuation not in CONTINUATIONS:
             raise InvalidRequestError(f"continuation must be one of {CONTINUATIONS}, got {continuation!r}")
         self.continuation = continuation
+        # After a native turn ends on tool calls, hold the template's opening
+        # of their results for the scheduler to compute while idle.
+        self.preposition = preposition
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))

@@ -72,10 +72,11 @@ class MessageLog:
     tools: bytes
     length: int  # the session's tokens the messages span
     gap: str  # template text after the last held token, before the next message
+    ahead: tuple[int, ...] = ()  # held past `length`: what the next message was expected to begin with
 
     def continues(self, digests: list[bytes], tools: bytes, session_length: int) -> bool:
         """Whether a request of these messages (and tools) extends the logged
         conversation by at least one message, on a session still as logged."""
         n = len(self.digests)
-        return (session_length == self.length and tools == self.tools and len(digests) > n
+        return (session_length == self.length + len(self.ahead) and tools == self.tools and len(digests) > n
                 and tuple(digests[:n]) == self.digests)

@@ -169,6 +169,10 @@ class Scheduler:
             for req in self.running + self.waiting:
                 self._fail(req, EngineError("the scheduler stopped before the request finished"))
 
+    def wake(self) -> None:
+        """Have the loop look for work now (new work it may do while idle)."""
+        self._wake.set()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -193,7 +197,7 @@ class Scheduler:
         self._reap()
         work = self._schedule()
         if not work:
-            return False
+            return self._compute_ahead()
         items = [w.item for w in work if w.item is not None]
         logits = []
         forward_start = time.perf_counter()
@@ -215,6 +219,33 @@ class Scheduler:
         c.forward_s += forward
         c.step_s += time.perf_counter() - start
         return True
+
+    def _compute_ahead(self) -> bool:
+        """With nothing else to do: compute the pending tokens of one idle
+        sequence that holds them ahead of its next turn (pre-positioning),
+        within this step and under the lock, so the sequence never looks
+        busy. Only into free pages and while no request waits: nothing is
+        evicted or delayed for it; what is not computed here, the next turn
+        computes."""
+        if self.waiting or self.running:
+            return False
+        for seq in self.sequences.all:
+            if not seq.ahead or seq.busy or seq.closed:
+                continue
+            seq.ahead = False
+            held, n = seq.table.length, len(seq.tokens)
+            if not 0 < n - held <= self.limits.prefill_chunk or seq.table.pages_needed(n - held) > self.pool.num_free:
+                continue
+            try:
+                self.runner.step([StepItem(seq.table, seq.tokens[held:n], 1)])
+            except Exception:  # the next turn computes them instead
+                log.exception("pre-positioning failed")
+                seq.table.truncate(held)
+                continue
+            seq.last_logits = None
+            self.counters.ahead_tokens += n - held
+            return True
+        return False
 
     def _measure_prefill(self, items: list[StepItem], forward: float) -> None:
         tokens = sum(len(it.tokens) for it in items)

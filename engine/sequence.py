@@ -44,6 +44,9 @@ class Sequence:
     # Names its KV in the second tier (cache.kv_tier); the forks that work
     # a session's turns share it with the session.
     key: str = field(default_factory=lambda: secrets.token_hex(8))
+    # Its pending tokens are what its next turn is known to begin with: the
+    # scheduler computes them when it has nothing else to do (pre-positioning).
+    ahead: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)

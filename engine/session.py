@@ -8,6 +8,7 @@ as before (tokens, pages, length).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -182,6 +183,18 @@ class Session:
         and draws the first token from their last logits."""
         self._sequences.extend(self._seq, self._check_tokens(token_ids))
         self.message_log = None
+
+    def preposition(self, token_ids: Iterable[int]) -> None:
+        """Hold tokens the next turn is known to begin with (the template's
+        opening of a tool result, say), computed when the scheduler has
+        nothing else to do; the next turn keeps them if it does begin so,
+        and truncates them otherwise. The message log stays, noting them."""
+        ids = self._check_tokens(token_ids)
+        self._check_length(len(self) + len(ids))
+        log = self.message_log
+        self._sequences.extend(self._seq, ids, ahead=True)
+        self.message_log = dataclasses.replace(log, ahead=log.ahead + tuple(ids)) if log is not None else None
+        self._scheduler.wake()
 
     def start_generate(
         self,

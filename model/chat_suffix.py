@@ -15,6 +15,7 @@ whose render is not a prefix of the longer one, and gets None.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from model.tokenizer import TokenizerError
@@ -71,3 +72,18 @@ def reply_gap(tokenizer: "Tokenizer", messages: list[dict], reply: dict, tools: 
         return body[len(said):]
     at = body.rfind(end_text) if end_text and said.endswith(end_text) else -1
     return body[at + len(end_text):] if at >= 0 else None
+
+
+def tool_result_opening(tokenizer: "Tokenizer", messages: list[dict], tools: list[dict] | None) -> str:
+    """What the template writes, after `messages`, before a tool result's
+    content whatever it says (ChatML: `<|im_start|>user` and the tool
+    response's opening tag): the common part of two probes' renders, cut
+    after its last added token, so that it tokenizes alone as it would in
+    the whole. Empty if there is none."""
+    probes = [render_suffix(tokenizer, messages + [{"role": "tool", "tool_call_id": "probe", "content": c}],
+                            len(messages), tools) for c in ("\x01", "\x02")]
+    if None in probes:
+        return ""
+    common = os.path.commonprefix(probes)
+    ends = [common.rfind(t) + len(t) for t in tokenizer.added_token_texts if t and t in common]
+    return common[: max(ends, default=0)]

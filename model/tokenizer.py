@@ -239,6 +239,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
+    def added_token_texts(self) -> list[str]:
+        """The added tokens' texts, which the tokenizer splits on before anything else."""
+        return [t.content for t in self.backend.get_added_tokens_decoder().values()]
+
+    @property
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
 

@@ -9,6 +9,7 @@ differing token."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from fastapi.testclient import TestClient
 from engine import Engine
 from engine.api import create_app
 from engine.structured import request_grammar
+from model.chat_suffix import render_suffix
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -63,7 +65,7 @@ def test_native_continuation_computes_only_the_new_messages(engines):
         messages = [ask("Oslo")]
         first = turn(engine, s, messages)
         assert first.tool_calls and s.message_log is not None
-        held = len(s)
+        held = s.message_log.length  # the reply's end; past it, the pre-positioned opening of the tool result
         messages += [echo(first), tool_result("Oslo")]
         second = turn(engine, s, messages)
         u = second.usage
@@ -72,9 +74,8 @@ def test_native_continuation_computes_only_the_new_messages(engines):
         # The case this is about: the reply as sampled is not how the tokenizer spells its text.
         full = engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
         assert prompt != full and engine.tokenizer.decode(prompt) == engine.tokenizer.decode(full)
-        assert prompt[:held] == s.tokens[:held]
         # Everything held was reused; computed: the new messages, and the reply's last
-        # token, whose KV no step had computed yet.
+        # token, whose KV no step had computed yet (no loop ran to pre-position them).
         assert u["cached_tokens"] == held - 1 and u["computed_tokens"] == u["prompt_tokens"] - held + 1
         with engine.session() as fresh:
             want = fresh.append(prompt)
@@ -97,6 +98,71 @@ def test_a_reply_cut_by_max_tokens_continues_natively(engines):
         prompt = s.tokens[: second.usage["prompt_tokens"]]
         # The template's end of the cut reply's message, then the new message.
         assert engine.tokenizer.decode(prompt[held:]).startswith("<|im_end|>\n<|im_start|>user\nGo on.")
+        assert second.token_ids == fresh_reply(engine, prompt)
+
+
+@pytest.fixture
+def serving(engines):
+    """The native engine with its scheduler loop running (idle steps pre-position)."""
+    engine = engines["native"]
+    engine.scheduler.start()
+    try:
+        yield engine
+    finally:
+        engine.scheduler.stop()
+
+
+def wait_prepositioned(engine: Engine, before: int) -> int:
+    for _ in range(500):
+        if engine.scheduler.counters.ahead_tokens > before:
+            return engine.scheduler.counters.ahead_tokens - before
+        time.sleep(0.01)
+    raise AssertionError("nothing was pre-positioned")
+
+
+def test_the_tool_results_opening_is_computed_while_idle_and_kept(serving):
+    engine = serving
+    with engine.session() as s:
+        messages = [ask("Nuuk")]
+        before = engine.scheduler.counters.ahead_tokens
+        first = turn(engine, s, messages)
+        log = s.message_log
+        assert first.tool_calls and log.ahead
+        assert engine.tokenizer.decode(list(log.ahead)) == "\n<|im_start|>user\n<tool_response>"
+        # The reply's last token and the opening: computed while the tool "runs".
+        assert wait_prepositioned(engine, before) == len(log.ahead) + 1
+        assert s.table.length == len(s) == log.length + len(log.ahead)
+        messages += [echo(first), tool_result("Nuuk")]
+        second = turn(engine, s, messages)
+        u = second.usage
+        assert u["native"] and u["cached_tokens"] == log.length + len(log.ahead)
+        prompt = s.tokens[: u["prompt_tokens"]]
+        with engine.session() as fresh:
+            want = fresh.append(prompt)
+        with s.fork() as again:
+            again.truncate(len(prompt) - 1)
+            assert torch.equal(again.append(prompt[-1:]), want)
+        assert second.token_ids == fresh_reply(engine, prompt)
+
+
+def test_prepositioned_tokens_roll_back_when_the_turn_begins_otherwise(serving):
+    engine = serving
+    with engine.session() as s:
+        messages = [ask("Baku")]
+        before = engine.scheduler.counters.ahead_tokens
+        first = turn(engine, s, messages)
+        log = s.message_log
+        wait_prepositioned(engine, before)
+        messages += [echo(first), {"role": "user", "content": "Never mind, no tool."}]
+        second = turn(engine, s, messages)
+        u = second.usage
+        assert u["native"]
+        prompt = s.tokens[: u["prompt_tokens"]]
+        new = engine.tokenizer.encode(log.gap + render_suffix(engine.tokenizer, messages, len(log.digests), TOOLS))
+        assert prompt == s.tokens[: log.length] + new  # nothing of the opening that it does not begin with
+        kept = next(i for i, (a, b) in enumerate(zip(new, log.ahead)) if a != b)
+        assert 0 < kept < len(log.ahead) and u["cached_tokens"] == log.length + kept
+        engine.pool.check()
         assert second.token_ids == fresh_reply(engine, prompt)
 
 
@@ -177,8 +243,11 @@ def test_chat_completions_continue_natively_over_http(engines):
                 "model": "agentkv-native", "messages": messages, "tools": TOOLS, "max_tokens": 48,
                 "temperature": 0.0, "session_id": "native-http"}).json()
             usage = r["usage"]
-            if last is not None:  # all of the previous turn (but the reply's last token) reused
-                assert usage["prompt_tokens_details"]["cached_tokens"] == last["total_tokens"] - 1
+            if last is not None:
+                # All of the previous turn reused (its last token too, and the tool
+                # result's opening, if the idle scheduler pre-positioned them).
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert last["total_tokens"] - 1 <= cached < usage["prompt_tokens"]
             last = usage
             message = r["choices"][0]["message"]
             messages += [{k: v for k, v in message.items() if v is not None}, tool_result(city)]

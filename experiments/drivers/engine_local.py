@@ -55,7 +55,11 @@ class EngineSystem:
                           prefix_match="block" if kind == "block" else "token",
                           # The peers decode "auto" tool calls unconstrained: so does the engine here,
                           # so that every system generates the same greedy tokens.
-                          constrain_auto=False)
+                          constrain_auto=False,
+                          # Every system gets the shared rendering's token ids: the history as the
+                          # template writes it, not as this run sampled it (that is
+                          # experiments.bench_continuation's question).
+                          continuation="template-faithful")
 
     def turn(self, r: Request) -> dict:
         eng = self.eng
