@@ -3,6 +3,7 @@
     python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32] [--kv-cache-gb 1]
         # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
     python serve.py demo [--agents 6] [--kv-fraction 0.3]   # many agents with tool pauses, three ways to serve them
+    python serve.py cluster --replicas 2 --state-dir DIR [--port 8000]   # replicas behind vllm-router (engine.api.cluster)
 """
 from __future__ import annotations
 
@@ -99,9 +100,15 @@ def serve(argv: list[str]) -> None:
                     help="keep named sessions across restarts (clean or kill -9, up to each one's last completed "
                          "turn): their tokens here, their KV written through to the disk tier (by default "
                          "STATE_DIR/kv); on start they are verified and resumed")
+    kv.add_argument("--shared-state", action="store_true",
+                    help="other replicas use --state-dir and its disk tier too (serve.py cluster): nothing is "
+                         "resumed at start; a session or response is taken up from what any replica saved last "
+                         "when it is asked for")
     kv.add_argument("--kv-offload-codec", choices=CODECS, default="pool",
                     help="pool: KV at the pool's dtype (bit-exact); int8: a quarter of fp32's bytes, lossy")
     args = parser.parse_args(argv)
+    if args.shared_state and not args.state_dir:
+        parser.error("--shared-state shares the --state-dir: name one")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -129,13 +136,14 @@ def serve(argv: list[str]) -> None:
         constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention, continuation=args.continuation,
         kv_offload_bytes=int(args.kv_offload_gb * 2**30),
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
-        kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec)
+        kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec,
+        kv_resume=not args.shared_state)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
     if args.state_dir and engine.tier is None:
         parser.error("--state-dir keeps KV in the second tier: --kv-offload-gb must be > 0")
     app = create_app(engine, name, args.max_stored_responses, args.state_dir, keys=keys, quotas=quotas,
-                     public_metrics=args.public_metrics)
+                     public_metrics=args.public_metrics, shared_state=args.shared_state)
     if keys.open:
         log.warning("no API keys configured: the server is open to anyone who can reach it (one tenant)")
     else:
@@ -143,7 +151,7 @@ def serve(argv: list[str]) -> None:
                  " and /metrics" if args.public_metrics else "")
     if args.api_keys_file:
         signal.signal(signal.SIGHUP, lambda *_: _reload(keys))
-    if args.state_dir:
+    if args.state_dir and not args.shared_state:
         log.info("resumed %d saved sessions from %s", len(app.state.api.sessions), args.state_dir)
         for line in app.state.api.sessions.reports():
             log.warning("%s", line)
@@ -163,6 +171,10 @@ def main(argv: list[str]) -> None:
         from experiments.demo import main as demo
 
         demo(argv[1:])
+    elif argv[:1] == ["cluster"]:
+        from engine.api.cluster import main as cluster
+
+        cluster(argv[1:])
     else:
         serve(argv)
 

@@ -93,18 +93,25 @@ class KVDisk:
         layout, (key, None, problem) for one that cannot be used. Leftovers
         of spills (entries that were not persistent) are removed."""
         for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            key = folder.name
-            try:
-                m = json.loads((folder / MANIFEST).read_text())
-            except (OSError, ValueError) as err:
-                yield key, None, f"unreadable manifest: {err}"
+            m, problem = self.manifest(folder.name)
+            if m is None and problem is None:
+                self.remove(folder.name)
                 continue
-            if not m.get("persistent"):
-                self.remove(key)
-                continue
-            theirs = m.get("identity") or {}
-            if theirs != self.identity:
-                diff = sorted(k for k in set(theirs) | set(self.identity) if theirs.get(k) != self.identity.get(k))
-                yield key, None, f"saved for another model or layout (differs in {', '.join(diff)})"
-                continue
-            yield key, m, None
+            yield folder.name, m, problem
+
+    def manifest(self, key: str) -> tuple[dict | None, str | None]:
+        """The entry's manifest if it is persistent and of this model and
+        layout; else (None, the problem), or (None, None) for a spill or none."""
+        if not self._folder(key).is_dir():
+            return None, None
+        try:
+            m = json.loads((self._folder(key) / MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            return None, f"unreadable manifest: {err}"
+        if not m.get("persistent"):
+            return None, None
+        theirs = m.get("identity") or {}
+        if theirs != self.identity:
+            diff = sorted(k for k in set(theirs) | set(self.identity) if theirs.get(k) != self.identity.get(k))
+            return None, f"saved for another model or layout (differs in {', '.join(diff)})"
+        return m, None

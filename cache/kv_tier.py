@@ -299,7 +299,9 @@ class KVTier:
             if not victims:
                 return False
             e = min(victims, key=lambda x: x.used)
-            if self.disk is not None and self._write(e):
+            # An entry whose pieces are all on disk has its manifest there already: rewriting it
+            # could undo what a replica sharing the disk wrote since (cache.kv_disk).
+            if self.disk is not None and (all(p.file is not None for p in e.pieces) or self._write(e)):
                 for p in e.pieces:
                     self._evict_from_host(p)
             else:
@@ -399,22 +401,45 @@ class KVTier:
                 try:
                     if problem is not None:
                         raise CorruptKV(problem)
-                    e = _Entry(key, m["namespace"], list(m["tokens"]), persistent=True, files=int(m["files"]))
-                    e.pieces = [_Piece(int(p["n"]), int(p["nbytes"]), None, None, p["file"], p["name"], p["crc"])
-                                for p in m["pieces"]]
-                    if sum(p.n for p in e.pieces) != len(e.tokens) or any(p.file is None for p in e.pieces):
-                        raise CorruptKV("its manifest does not match its pieces")
+                    e = _from_manifest(key, m)
                     for p in e.pieces:
                         self._read(e, p)
                 except (CorruptKV, ValueError, KeyError, TypeError) as err:
                     self._report(f"session KV {key}: {err}; it recomputes")
                     self.disk.remove(key)
                     continue
-                self._entries[key] = e
-                self.disk_used += sum(p.nbytes for p in e.pieces)
-                self._touch(e)
+                self._register(e)
                 loaded.append(key)
         return loaded
+
+    def adopt(self, key: str) -> bool:
+        """Take up the persistent entry under key as it is on disk now, in
+        place of what this tier held of it: another process sharing the disk
+        (a replica, engine.api.cluster) may have written it since. Its pieces
+        are verified when a restore reads them. False if there is none usable
+        (its session recomputes); nothing on disk is removed."""
+        if self.disk is None:
+            return False
+        m, problem = self.disk.manifest(key)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            for p in old.pieces if old is not None else []:
+                self._forget_piece(p)
+            try:
+                if problem is not None:
+                    raise CorruptKV(problem)
+                if m is None:
+                    return False
+                self._register(_from_manifest(key, m))
+            except (CorruptKV, ValueError, KeyError, TypeError) as err:
+                self._report(f"session KV {key}: {err}; it recomputes")
+                return False
+            return True
+
+    def _register(self, e: _Entry) -> None:
+        self._entries[e.key] = e
+        self.disk_used += sum(p.nbytes for p in e.pieces)
+        self._touch(e)
 
     def persistent_keys(self) -> list[str]:
         with self._lock:
@@ -430,3 +455,12 @@ class KVTier:
                                           f"{host} and {disk}")
             if self.host_used > self.host_bytes or self.disk_used > self.disk_bytes:
                 raise PageAccountingError("the tier is past its size cap")
+
+
+def _from_manifest(key: str, m: dict) -> _Entry:
+    """A persistent entry as its manifest names it, its pieces on disk only."""
+    e = _Entry(key, m["namespace"], list(m["tokens"]), persistent=True, files=int(m["files"]))
+    e.pieces = [_Piece(int(p["n"]), int(p["nbytes"]), None, None, p["file"], p["name"], p["crc"]) for p in m["pieces"]]
+    if sum(p.n for p in e.pieces) != len(e.tokens) or any(p.file is None for p in e.pieces):
+        raise CorruptKV("its manifest does not match its pieces")
+    return e

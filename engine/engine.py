@@ -69,6 +69,7 @@ class Engine:
         kv_offload_codec: str = "pool",
         continuation: str = "native",
         preposition: bool = True,
+        kv_resume: bool = True,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -93,7 +94,9 @@ class Engine:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.retention = policy.retention
-        if self.tier is not None:  # KV persisted by an earlier run: verified; what fails is reported and recomputes
+        # KV persisted by an earlier run: verified; what fails is reported and recomputes. Not where
+        # replicas share the disk tier: what is there is theirs, taken up one session at a time (adopt).
+        if self.tier is not None and kv_resume:
             self.tier.load()
         self.prefix_match = prefix_match
         # Plain LRU pins nothing: every idle session may give way at once.

@@ -39,14 +39,17 @@ DRAIN_TIMEOUT_S = 30.0
 
 def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
                state_dir: str | Path | None = None, *, keys: ApiKeys | None = None, quotas: Quotas | None = None,
-               public_metrics: bool = False) -> FastAPI:
+               public_metrics: bool = False, shared_state: bool = False) -> FastAPI:
     """state_dir: keep named sessions across restarts (their KV in the
     engine's disk tier, which must be under it or elsewhere on disk).
-    keys: the API keys and their tenants (none: open to all). quotas: what
-    each tenant may hold and use. public_metrics: /metrics without a key."""
-    api = ApiState.for_engine(engine, model_name, state_dir, max_stored_responses, keys, quotas)
+    shared_state: other replicas use state_dir and the disk tier too
+    (engine.api.cluster): nothing is resumed or removed at start, each
+    session and response is taken up when asked for. keys: the API keys and
+    their tenants (none: open to all). quotas: what each tenant may hold and
+    use. public_metrics: /metrics without a key."""
+    api = ApiState.for_engine(engine, model_name, state_dir, max_stored_responses, keys, quotas, shared_state)
     store = api.responses
-    if state_dir is not None:
+    if state_dir is not None and not shared_state:
         _resume(engine, api, store)
 
     @asynccontextmanager

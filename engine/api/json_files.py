@@ -1,7 +1,10 @@
 """A folder of JSON records that survive a kill -9: each is replaced
 atomically (written to a temporary file, fsynced, renamed over the old
 one), so a reader finds either the previous record or the new one. Records
-that cannot be read are reported, never half-loaded."""
+that cannot be read are reported, never half-loaded. A record's stamp (its
+file's inode, size and modification time) changes with every replacement,
+so a process sharing the folder (a replica) can tell cheaply whether another
+has written a record since it last read or wrote it."""
 from __future__ import annotations
 
 import json
@@ -14,6 +17,7 @@ log = logging.getLogger("agentkv.state")
 
 VERSION = 2  # 2: records name their tenant and namespace
 T = TypeVar("T")
+Stamp = tuple[int, int, int]
 
 
 class JsonFiles:
@@ -23,14 +27,39 @@ class JsonFiles:
         self.root.mkdir(parents=True, exist_ok=True)
         self.reports: list[str] = []
 
-    def write(self, name: str, body: dict) -> None:
+    def write(self, name: str, body: dict) -> Stamp:
         path = self.root / f"{name}.json"
-        tmp = path.with_suffix(".json.tmp")
+        # Named by the writing process too: replicas sharing the folder may replace one record at once.
+        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             json.dump({"version": VERSION, **body}, f)
             f.flush()
             os.fsync(f.fileno())
+            st = os.fstat(f.fileno())
         os.replace(tmp, path)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def stamp(self, name: str) -> Stamp | None:
+        """The record's stamp now; None if there is none."""
+        try:
+            st = os.stat(self.root / f"{name}.json")
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def read(self, name: str, parse: Callable[[dict], T]) -> tuple[T, Stamp] | None:
+        """parse(body) of one record and the stamp of what was read; None if
+        there is none or it cannot be read (reported)."""
+        path = self.root / f"{name}.json"
+        try:
+            with open(path) as f:
+                st = os.fstat(f.fileno())
+                return self._parse(path, json.load(f), parse), (st.st_ino, st.st_size, st.st_mtime_ns)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # that record only
+            self._report(path, e)
+            return None
 
     def delete(self, name: str) -> None:
         (self.root / f"{name}.json").unlink(missing_ok=True)
@@ -39,11 +68,17 @@ class JsonFiles:
         """parse(body) of every record; one that fails (torn, foreign, hand-edited) is reported and skipped."""
         for path in sorted(self.root.glob("*.json")):
             try:
-                body = json.loads(path.read_text())
-                if body.get("version") != VERSION:
-                    raise ValueError(f"version {body.get('version')!r}, not {VERSION}")
-                yield parse(body)
+                yield self._parse(path, json.loads(path.read_text()), parse)
             except Exception as e:  # that record only
-                message = f"saved {self.kind} {path.name} cannot be resumed: {type(e).__name__}: {e}"
-                log.warning(message)
-                self.reports.append(message)
+                self._report(path, e)
+
+    @staticmethod
+    def _parse(path: Path, body: dict, parse: Callable[[dict], T]) -> T:
+        if body.get("version") != VERSION:
+            raise ValueError(f"version {body.get('version')!r}, not {VERSION}")
+        return parse(body)
+
+    def _report(self, path: Path, e: Exception) -> None:
+        message = f"saved {self.kind} {path.name} cannot be resumed: {type(e).__name__}: {e}"
+        log.warning(message)
+        self.reports.append(message)

@@ -83,6 +83,9 @@ class Metrics:
         out += _labelled("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", m, len(sched.waiting))
         out += _labelled("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", m,
                          pool.num_used / pool.num_pages)
+        # Read by the inference gateway's prefix-cache scorer (llm-d) for the KV block size.
+        out += _labelled("vllm:cache_config_info", "gauge", "Information of the KV cache config.",
+                         m[:-1] + f',block_size="{pool.page_size}",num_gpu_blocks="{pool.num_pages}"}}', 1)
         out += _labelled("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", m, c.preemptions)
         out += _labelled("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens.", m,
                          c.prefix_queries)

@@ -57,9 +57,20 @@ class ResponseFiles:
         self.files.delete(_name(response_id))
 
     def load(self, vocab_size: int) -> list[SavedResponse]:
-        def parse(b: dict) -> SavedResponse:
-            _name(b["response"]["id"])
-            return SavedResponse(b["response"], str(b["tenant"]), str(b["namespace"]), list(b["input_items"]), list(b["conversation"]),
-                                 str(b["held_text"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
-                                 int(b["order"]))
-        return sorted(self.files.read_all(parse), key=lambda s: s.order)
+        return sorted(self.files.read_all(lambda b: _parse(b, vocab_size)), key=lambda s: s.order)
+
+    def load_one(self, response_id: str, vocab_size: int) -> SavedResponse | None:
+        """One saved response (a replica sharing the folder may have saved it); None if there is none."""
+        if not RESPONSE_ID.match(response_id):
+            return None
+        found = self.files.read(response_id, lambda b: _parse(b, vocab_size))
+        return found[0] if found is not None and found[0].response["id"] == response_id else None
+
+    def saved(self, response_id: str) -> bool:
+        return self.files.stamp(_name(response_id)) is not None
+
+
+def _parse(b: dict, vocab_size: int) -> SavedResponse:
+    _name(b["response"]["id"])
+    return SavedResponse(b["response"], str(b["tenant"]), str(b["namespace"]), list(b["input_items"]), list(b["conversation"]),
+                         str(b["held_text"]), str(b["key"]), check_tokens(b["tokens"], vocab_size), int(b["order"]))

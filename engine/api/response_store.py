@@ -20,12 +20,15 @@ session, and the conversation's messages stay reachable through them.
 
 With a state directory (engine.api.response_files) each stored response is
 saved as it is stored, and a new store resumes what an earlier one saved.
+Replicas sharing the directory (engine.api.cluster, share()) take up on
+first use a response another replica stored, and drop one deleted there.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -131,6 +134,13 @@ class ResponseStore:
         self._closed = False
         self._running = 0
         self._order = itertools.count()
+        self._shared_with: "Engine | None" = None
+
+    def share(self, engine: "Engine") -> None:
+        """Other replicas save responses in these files too: take theirs up on first use."""
+        if self.files is not None:
+            self._shared_with = engine
+            self._order = itertools.count(time.time_ns())  # orders records of every replica by time
 
     def resume(self, engine: "Engine") -> set[str]:
         """Take up the responses an earlier server saved; the tier keys they claim."""
@@ -139,16 +149,52 @@ class ResponseStore:
         saved = self.files.load(engine.model.cfg.vocab_size)
         self._order = itertools.count(saved[-1].order + 1 if saved else 0)  # what is saved next is newer
         for s in saved[-self.max_responses:]:
-            session = engine.session(s.namespace, tokens=s.tokens, key=s.key)
-            entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
-                                   None, HeldText(None, s.held_text), session)
-            with self._lock:
-                self._entries[entry.id] = entry
-                self._held[entry.tenant] += 1
+            self._hold(engine, s)
         for s in saved[: -self.max_responses]:
             self.files.delete(s.response["id"])
         with self._lock:
             return {e.session.key for e in self._entries.values()}
+
+    def _hold(self, engine: "Engine", s: SavedResponse) -> None:
+        session = engine.session(s.namespace, tokens=s.tokens, key=s.key)
+        entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
+                               None, HeldText(None, s.held_text), session)
+        with self._lock:
+            if entry.id in self._entries:  # taken up meanwhile
+                extra = entry
+            else:
+                extra = None
+                self._entries[entry.id] = entry
+                self._held[entry.tenant] += 1
+        if extra is not None:
+            extra.close()
+
+    def _take_up(self, response_id: str) -> None:
+        """With shared files: a response another replica stored, held here
+        from its record; one deleted there, dropped here."""
+        engine = self._shared_with
+        with self._lock:
+            held = response_id in self._entries
+        if held:
+            if not self.files.saved(response_id):
+                with self._lock:
+                    entry = self._entries.pop(response_id, None)
+                    if entry is not None:
+                        self._uncount(entry.tenant)
+                if entry is not None:
+                    entry.close()
+            return
+        saved = self.files.load_one(response_id, engine.model.cfg.vocab_size)
+        if saved is None:
+            return
+        if engine.tier is not None:
+            engine.tier.adopt(saved.key)
+        self._hold(engine, saved)
+        with self._lock:
+            expired = [self._expire_one(max(self._held, key=self._held.__getitem__))
+                       for _ in range(len(self._entries) - self.max_responses)]
+        for old in expired:
+            self._forget(old)
 
     def _save(self, entry: StoredResponse) -> None:
         if self.files is None:
@@ -202,6 +248,8 @@ class ResponseStore:
             self._running -= 1
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
+        if self._shared_with is not None:
+            self._take_up(response_id)
         with self._lock:
             entry = self._lookup(response_id, tenant)
             self._entries.move_to_end(response_id)
@@ -233,6 +281,8 @@ class ResponseStore:
             self._forget(old)
 
     def delete(self, response_id: str, tenant: str) -> None:
+        if self._shared_with is not None:
+            self._take_up(response_id)
         with self._lock:
             entry = self._lookup(response_id, tenant)
             del self._entries[response_id]

@@ -201,6 +201,16 @@ class Sampling(RequestBody):
     # An extra sampling field, as vLLM accepts it: generate past EOS (benchmarks).
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None
+    # vLLM's and SGLang's own fields, which vllm-router (engine.api.cluster) writes into every chat and
+    # text completion it forwards, at these values; refused at any other (see unsupported), but for
+    # the reasoning ones, ignored: the model does not reason.
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -218,7 +228,9 @@ class Sampling(RequestBody):
             return "frequency_penalty"
         if self.presence_penalty:
             return "presence_penalty"
-        return None
+        return first_refused({"no_stop_trim": self.no_stop_trim, "skip_special_tokens": not self.skip_special_tokens,
+                              "return_hidden_states": self.return_hidden_states,
+                              "continue_final_message": self.continue_final_message})
 
 
 class Prediction(RequestBody):

@@ -7,6 +7,10 @@ change a lease covered, and only after the session's KV was written through
 to the second tier's disk (cache.kv_tier), so a kill -9 at any moment leaves
 the last completed state of each session, whose KV is on disk or, where it
 is not, is recomputed.
+
+Replicas sharing the folder (engine.api.cluster) read one record at a time
+(load_one) and compare stamps (engine.api.json_files) to see whether another
+replica has saved a session since.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.api.json_files import JsonFiles
+from engine.api.json_files import JsonFiles, Stamp
 from engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
 from engine.api.tenants import TENANT_NAME
 
@@ -50,18 +54,30 @@ class SessionFiles:
     def reports(self) -> list[str]:
         return self.files.reports
 
-    def save(self, s: SavedSession) -> None:
-        self.files.write(_name(s.tenant, s.session_id), {
+    def save(self, s: SavedSession) -> Stamp:
+        return self.files.write(_name(s.tenant, s.session_id), {
             "tenant": s.tenant, "id": s.session_id, "namespace": s.namespace, "key": s.key, "tokens": s.tokens,
             "turns": [t.model_dump() for t in s.turns]})
 
     def delete(self, tenant: str, session_id: str) -> None:
         self.files.delete(_name(tenant, session_id))
 
+    def stamp(self, tenant: str, session_id: str) -> Stamp | None:
+        return self.files.stamp(_name(tenant, session_id))
+
     def load(self, vocab_size: int) -> list[SavedSession]:
-        def parse(b: dict) -> SavedSession:
-            if not re.match(SESSION_ID_PATTERN, b["id"]) or not TENANT_NAME.match(b["tenant"]):
-                raise ValueError(f"bad session id {b['id']!r} or tenant {b['tenant']!r}")
-            return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
-                                [TurnRecord(**t) for t in b["turns"]])
-        return list(self.files.read_all(parse))
+        return list(self.files.read_all(lambda b: _parse(b, vocab_size)))
+
+    def load_one(self, tenant: str, session_id: str, vocab_size: int) -> tuple[SavedSession, Stamp] | None:
+        """The tenant's saved session and the stamp of what was read; None if none is saved."""
+        found = self.files.read(_name(tenant, session_id), lambda b: _parse(b, vocab_size))
+        if found is not None and (found[0].tenant, found[0].session_id) != (tenant, session_id):
+            return None  # a hash collision of names: not this session
+        return found
+
+
+def _parse(b: dict, vocab_size: int) -> SavedSession:
+    if not re.match(SESSION_ID_PATTERN, b["id"]) or not TENANT_NAME.match(b["tenant"]):
+        raise ValueError(f"bad session id {b['id']!r} or tenant {b['tenant']!r}")
+    return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
+                        [TurnRecord(**t) for t in b["turns"]])

@@ -15,6 +15,12 @@ its session's lease from before it touches the session until the engine call
 has returned (a streamed reply whose client went away included), and a second
 request for the same session meanwhile gets 409. Reading a session's info
 needs no lease.
+
+Replicas sharing one state directory (engine.api.cluster, `shared`): a
+session is taken up from its saved record whenever that is newer than what
+this replica holds (one it never had, one a failed replica served last, one
+another replica has served since), so that any replica can continue any
+session from its last completed turn; one deleted elsewhere is gone here too.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING
 from engine.api.errors import APIError, not_found
 from engine.api.quotas import check_held
 from engine.api.schemas import SessionInfo, TurnRecord
+from engine.api.json_files import Stamp
 from engine.api.session_files import SavedSession, SessionFiles
 from engine.api.tenants import Tenant
 from engine.errors import EngineError
@@ -48,6 +55,7 @@ class _Entry:
     session: "Session"
     turns: list[TurnRecord] = field(default_factory=list)
     busy: bool = False
+    stamp: Stamp | None = None  # of its saved record, as this replica last wrote or read it
 
 
 class Lease:
@@ -88,10 +96,13 @@ class Lease:
 
 
 class SessionRegistry:
-    def __init__(self, engine: "Engine", files: SessionFiles | None = None, max_per_tenant: int | None = None):
-        """max_per_tenant: live sessions one tenant may hold (429 past it)."""
+    def __init__(self, engine: "Engine", files: SessionFiles | None = None, max_per_tenant: int | None = None,
+                 shared: bool = False):
+        """max_per_tenant: live sessions one tenant may hold (429 past it).
+        shared: other replicas save sessions in files too (see above)."""
         self.engine = engine
         self.files = files
+        self.shared = shared and files is not None
         self.max_per_tenant = max_per_tenant
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._lock = threading.Lock()
@@ -116,8 +127,8 @@ class SessionRegistry:
         s = entry.session
         try:
             s.save()
-            self.files.save(SavedSession(entry.tenant, entry.session_id, s.namespace, s.key, s.tokens,
-                                         list(entry.turns)))
+            entry.stamp = self.files.save(SavedSession(entry.tenant, entry.session_id, s.namespace, s.key, s.tokens,
+                                                       list(entry.turns)))
         except (EngineError, OSError) as e:  # the session serves on; only its saved copy is stale
             log.warning("session %s of tenant %s was not saved: %s", entry.session_id, entry.tenant, e)
 
@@ -144,8 +155,47 @@ class SessionRegistry:
         with self._lock:
             return [e.session for (owner, _), e in self._entries.items() if owner == tenant.name]
 
+    def _take_up(self, tenant: str, session_id: str) -> None:
+        """With shared files: hold the session as it was last saved, if that
+        is not what this replica holds (see the module's docstring)."""
+        if not self.shared:
+            return
+        with self._lock:
+            entry = self._live(tenant, session_id)
+            if entry is not None and entry.busy:
+                return  # its lease's holder is serving it here
+        stamp = self.files.stamp(tenant, session_id)
+        if stamp is None or (entry is not None and stamp == entry.stamp):
+            if stamp is None and entry is not None and entry.stamp is not None:
+                self._forget_deleted(entry)
+            return
+        found = self.files.load_one(tenant, session_id, self.engine.model.cfg.vocab_size)
+        if found is None:
+            return
+        saved, stamp = found
+        if self.engine.tier is not None:
+            self.engine.tier.adopt(saved.key)
+        session = self.engine.session(saved.namespace, tokens=saved.tokens, key=saved.key)
+        with self._lock:
+            current = self._live(tenant, session_id)
+            if current is not None and (current.busy or current.stamp == stamp):
+                stale = session  # taken up or leased meanwhile
+            else:
+                stale = current.session if current is not None else None
+                self._entries[tenant, session_id] = _Entry(tenant, session_id, session, list(saved.turns), stamp=stamp)
+        if stale is not None:
+            stale.close()
+
+    def _forget_deleted(self, entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get((entry.tenant, entry.session_id)) is not entry or entry.busy:
+                return
+            del self._entries[entry.tenant, entry.session_id]
+        entry.session.close()
+
     def create(self, tenant: Tenant, session_id: str | None = None, cache_salt: str | None = None) -> str:
         session_id = session_id or new_session_id()
+        self._take_up(tenant.name, session_id)
         self._add(tenant, session_id, tenant.namespace(cache_salt), exists_ok=False).release()
         return session_id
 
@@ -154,6 +204,7 @@ class SessionRegistry:
         the namespace of cache_salt); 404 if unknown, 409 if busy, 400 if it
         was made with another cache_salt."""
         namespace = tenant.namespace(cache_salt)
+        self._take_up(tenant.name, session_id)
         with self._lock:
             entry = self._live(tenant.name, session_id)
             if entry is None and not create:
@@ -233,6 +284,7 @@ class SessionRegistry:
             lease.session.close()
 
     def info(self, tenant: Tenant, session_id: str) -> SessionInfo:
+        self._take_up(tenant.name, session_id)
         with self._lock:
             entry = self._live(tenant.name, session_id)
         if entry is None:

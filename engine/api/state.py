@@ -37,15 +37,18 @@ class ApiState:
     @classmethod
     def for_engine(cls, engine: "Engine", model_name: str, state_dir: str | Path | None = None,
                    max_stored_responses: int = DEFAULT_MAX_RESPONSES, keys: ApiKeys | None = None,
-                   quotas: Quotas | None = None) -> "ApiState":
+                   quotas: Quotas | None = None, shared_state: bool = False) -> "ApiState":
         """With a state directory, named sessions and stored responses are
-        saved there (resume() takes up earlier ones). No keys: open to all,
-        as the one tenant "default"."""
+        saved there (resume() takes up earlier ones; shared_state: replicas
+        share it, each taking up what the others saved when it is asked for).
+        No keys: open to all, as the one tenant "default"."""
         quotas = quotas or Quotas()
         sessions = SessionRegistry(engine, SessionFiles(state_dir) if state_dir is not None else None,
-                                   quotas.max_sessions)
+                                   quotas.max_sessions, shared=shared_state)
         responses = ResponseStore(max_stored_responses, ResponseFiles(state_dir) if state_dir is not None else None,
                                   quotas.max_responses)
+        if shared_state:
+            responses.share(engine)
         return cls(engine, model_name, sessions, responses, Metrics(engine, sessions, model_name),
                    keys or ApiKeys(), quotas)
 

@@ -1,0 +1,264 @@
+"""Several engine processes behind vllm-router, started and stopped as one:
+
+    python serve.py cluster --replicas 2 --state-dir ./state [--port 8000] \\
+        [--policy consistent_hash] [--threads 1] [any serve.py flag, passed to every replica]
+
+Each replica is `serve.py --state-dir DIR --shared-state` on 127.0.0.1
+(ports --port+1, +2, ...; OMP_NUM_THREADS --threads, by default the cores
+shared out), and the router (vllm-router, a Rust binary from PyPI: `pip
+install '.[cluster]'`; its own Prometheus metrics on the port after the
+replicas') listens on --host:--port with the replicas as its workers. Clients talk to the router as to one server.
+
+- Affinity: with --policy consistent_hash (the default) the router hashes a
+  request's X-Session-Id header (its first choice of key) onto a ring of the
+  replicas, so every turn of a session lands on the replica holding its KV.
+  A Responses API continuation lands with its conversation when the client
+  sends one X-Session-Id for it (any replica can serve it regardless, below).
+  Requests without a session are placed by a hash of their body.
+  --policy cache_aware places every request by the router's approximate
+  prefix tree of what each replica was sent (prefix-aware, but agents that
+  share a long system prompt all match one replica); round_robin is the
+  ablation.
+- Failover: the replicas share the state directory and its disk tier of KV.
+  Every session is saved at the end of each turn (its KV written through,
+  then its record), so when a replica dies its sessions continue on the one
+  the ring names next, which takes each up from its record and restores its
+  KV from disk, recomputing only what was not saved (the reply's last
+  token). The watcher here removes a replica that exited from the router at
+  once; the router's health check (every second) is the backstop.
+- Shutdown (SIGTERM, SIGINT): the router stops first, so no new request
+  arrives, then every replica gets SIGTERM and drains its requests in flight
+  (their sessions are saved as each ends) before it exits.
+
+Start-up fails with a ClusterError that says why: the router is not
+installed (RouterMissingError), a replica or the router exited or did not
+answer /health in time (StartError, with the tail of its log).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("agentkv.cluster")
+
+POLICIES = ("consistent_hash", "cache_aware", "round_robin")
+ROOT = Path(__file__).resolve().parents[2]
+STOP_TIMEOUT_S = 60.0  # a replica's drain (serve.py waits up to 30 s for requests in flight) and its exit
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class RouterMissingError(ClusterError):
+    pass
+
+
+class StartError(ClusterError):
+    pass
+
+
+def router_available() -> bool:
+    return importlib.util.find_spec("vllm_router") is not None
+
+
+class _Process:
+    """A child in its own process group (so that a signal reaches what it spawns), its output in log."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict[str, str]):
+        self.name, self.log_path = name, log_path
+        self._logf = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+        self._logf.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Cluster:
+    """N replicas and the router; start() returns once all answer /health."""
+
+    def __init__(self, replicas: int, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
+                 replica_ports: list[int] | None = None, metrics_port: int | None = None,
+                 policy: str = "consistent_hash", threads: int | None = None,
+                 serve_args: list[str] = (), startup_timeout: float = 300.0, log_dir: str | Path | None = None):
+        if replicas < 1:
+            raise ValueError("a cluster needs at least one replica")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+        self.state_dir = Path(state_dir)
+        self.host, self.port, self.policy = host, port, policy
+        self.ports = list(replica_ports or [port + 1 + i for i in range(replicas)])
+        if len(self.ports) != replicas:
+            raise ValueError(f"{replicas} replicas need {replicas} ports, got {len(self.ports)}")
+        self.metrics_port = metrics_port or port + 1 + replicas  # the router's own /metrics
+        self.threads = threads or max(1, (os.cpu_count() or 1) // replicas)
+        self.serve_args, self.startup_timeout = list(serve_args), startup_timeout
+        self.log_dir = Path(log_dir) if log_dir is not None else self.state_dir / "logs"
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        self.replica_urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.replicas: list[_Process] = []
+        self.router: _Process | None = None
+        self._removed: set[int] = set()
+        self._stopping = threading.Event()
+
+    def start(self) -> "Cluster":
+        if not router_available():
+            raise RouterMissingError("the router is not installed: pip install '.[cluster]' (vllm-router from PyPI)")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i, port in enumerate(self.ports):
+                self.replicas.append(self._replica(i, port))
+            for p, url in zip(self.replicas, self.replica_urls):
+                self._wait(p, url)
+            self.router = self._router()
+            self._wait(self.router, self.url)
+        except BaseException:
+            self.stop()
+            raise
+        threading.Thread(target=self._watch, name="agentkv-cluster-watch", daemon=True).start()
+        log.info("%d replicas behind vllm-router (%s) on %s", len(self.replicas), self.policy, self.url)
+        return self
+
+    def _replica(self, i: int, port: int) -> _Process:
+        cmd = [sys.executable, "serve.py", "--host", "127.0.0.1", "--port", str(port),
+               "--state-dir", str(self.state_dir), "--shared-state", *self.serve_args]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        return _Process(f"replica {i}", cmd, self.log_dir / f"replica-{i}.log", env)
+
+    def _router(self) -> _Process:
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host, "--port", str(self.port),
+               "--worker-urls", *self.replica_urls, "--policy", self.policy,
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+               # A replica that died is out of the ring within a second even if the watcher missed it.
+               "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+               "--worker-startup-timeout-secs", str(int(self.startup_timeout)), "--log-level", "warning"]
+        return _Process("router", cmd, self.log_dir / "router.log", dict(os.environ))
+
+    def _wait(self, p: _Process, url: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while not _healthy(url):
+            if not p.alive():
+                raise StartError(f"{p.name} exited with {p.proc.returncode} before it was ready; "
+                                 f"{p.log_path}:\n{p.tail()}")
+            if time.monotonic() > deadline:
+                raise StartError(f"{p.name} did not answer {url}/health within {self.startup_timeout:.0f} s; "
+                                 f"{p.log_path}:\n{p.tail()}")
+            time.sleep(0.2)
+
+    def _watch(self) -> None:
+        """Take a replica that exited out of the router's ring now, rather than at its next health check."""
+        while not self._stopping.wait(0.2):
+            for i, p in enumerate(self.replicas):
+                if i not in self._removed and not p.alive():
+                    self._removed.add(i)
+                    log.error("%s exited with %s; its sessions continue on the others", p.name, p.proc.returncode)
+                    self._remove_from_router(self.replica_urls[i])
+
+    def _remove_from_router(self, url: str) -> None:
+        query = urllib.parse.urlencode({"url": url})
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{self.url}/remove_worker?{query}", method="POST"),
+                                   timeout=5).close()
+        except (urllib.error.URLError, OSError) as e:  # the health check takes it out instead
+            log.warning("could not remove %s from the router: %s", url, e)
+
+    def kill(self, i: int) -> None:
+        """SIGKILL replica i (a crash, for failover tests and benchmarks)."""
+        self.replicas[i].signal(signal.SIGKILL)
+        self.replicas[i].proc.wait()
+
+    def interrupt(self) -> None:
+        """Make wait() return (from a signal handler)."""
+        self._stopping.set()
+
+    def wait(self) -> int:
+        """Until interrupt() or the router exits: 0, or the router's exit code."""
+        while not self._stopping.wait(0.5):
+            if self.router is not None and not self.router.alive():
+                log.error("the router exited with %s; %s:\n%s", self.router.proc.returncode, self.router.log_path,
+                          self.router.tail())
+                return self.router.proc.returncode or 1
+        return 0
+
+    def stop(self) -> None:
+        """The router first (nothing new arrives), then every replica drains and exits; idempotent."""
+        self._stopping.set()
+        if self.router is not None:
+            self.router.stop(10)
+        for p in self.replicas:
+            p.signal(signal.SIGTERM)
+        for p in self.replicas:
+            p.stop(STOP_TIMEOUT_S)
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="serve.py cluster", description=__doc__.split("\n\n")[0],
+                                     epilog="other flags go to every replica's serve.py (see `python serve.py --help`)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--state-dir", required=True,
+                        help="shared by the replicas: sessions, stored responses and their KV (on a shared "
+                             "filesystem across machines)")
+    parser.add_argument("--host", default="127.0.0.1", help="the router's")
+    parser.add_argument("--port", type=int, default=8000, help="the router's; replicas take the next ports")
+    parser.add_argument("--policy", choices=POLICIES, default="consistent_hash",
+                        help="the router's: consistent_hash (X-Session-Id affinity), cache_aware (prefix "
+                             "trees), round_robin")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each replica")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    args, serve_args = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cluster = Cluster(args.replicas, args.state_dir, host=args.host, port=args.port, policy=args.policy,
+                      threads=args.threads, serve_args=serve_args, startup_timeout=args.startup_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: cluster.interrupt())
+    try:
+        cluster.start()
+    except ClusterError as e:
+        parser.exit(1, f"serve.py cluster: {e}\n")
+    code = cluster.wait()
+    cluster.stop()
+    sys.exit(code)

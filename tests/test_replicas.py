@@ -1,0 +1,126 @@
+"""Two replicas behind vllm-router on 127.0.0.1 (engine.api.cluster): with
+X-Session-Id affinity every turn after the first lands on the replica that
+holds its session; when a replica is killed, its sessions continue on the
+other from the shared state directory with the replies of an uninterrupted
+run; a missing router or a replica that cannot start is a clear error."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from engine.api import cluster as cluster_module
+from engine.api.cluster import Cluster, RouterMissingError, StartError
+from experiments.drivers.servers import free_port, parse_metrics
+
+MODEL = "agentkv-replicas"
+SESSIONS = [f"agent-{i}" for i in range(8)]
+FOLLOW_UPS = ["Now summarise the first item.", "And the second one?", "Which of them is the oldest?"]
+SERVE_ARGS = ["--served-model-name", MODEL, "--kv-cache-gb", "0.02"]
+
+
+def questions(session_id: str) -> list[str]:
+    return [f"Read the file notes/{session_id}.md and list what is open.", *FOLLOW_UPS]
+
+
+def start(tmp_path, **kwargs) -> Cluster:
+    return Cluster(2, tmp_path / "state", port=free_port(), replica_ports=[free_port(), free_port()],
+                   metrics_port=free_port(), threads=1,
+                   serve_args=SERVE_ARGS, startup_timeout=120, **kwargs).start()
+
+
+def turn(url: str, session_id: str, history: list[dict], question: str) -> dict:
+    history.append({"role": "user", "content": question})
+    r = httpx.post(url + "/v1/chat/completions", headers={"X-Session-Id": session_id}, timeout=120,
+                   json={"model": MODEL, "messages": history, "max_tokens": 24, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"] or ""})
+    return body
+
+
+def run_turns(url: str, histories: dict[str, list[dict]], which: slice) -> dict[str, list[dict]]:
+    """The sessions' turns `which`, the sessions side by side, each one's turns in order."""
+    def one(session_id: str) -> list[dict]:
+        return [turn(url, session_id, histories[session_id], q) for q in questions(session_id)[which]]
+    with ThreadPoolExecutor(len(histories)) as pool:
+        return dict(zip(histories, pool.map(one, histories)))
+
+
+def respond(url: str, text: str, previous: str | None) -> dict:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 8, "temperature": 0.0}
+    r = httpx.post(url + "/v1/responses", json=body | ({"previous_response_id": previous} if previous else {}),
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def local_sessions(replica_url: str) -> dict[str, int]:
+    """The sessions a replica holds (the list takes nothing up from disk) and their turns."""
+    return {s["id"]: len(s["turns"]) for s in httpx.get(replica_url + "/v1/sessions", timeout=30).json()["data"]}
+
+
+def restored_tokens(replica_url: str) -> float:
+    return parse_metrics(httpx.get(replica_url + "/metrics", timeout=30).text)["agentkv_kv_restored_tokens_total"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, list[str]]:
+    """8 sessions x 4 turns through the router, every turn landing on its session's replica."""
+    with start(tmp_path_factory.mktemp("affinity")) as c:
+        histories = {s: [] for s in SESSIONS}
+        replies = run_turns(c.url, histories, slice(None))
+        held = [local_sessions(url) for url in c.replica_urls]
+        restored = [restored_tokens(url) for url in c.replica_urls]
+    assert all(held), "the ring spreads the sessions over both replicas"
+    for s in SESSIONS:
+        # Each session is on one replica only, which served all four turns.
+        assert [h.get(s) for h in held].count(4) == 1 and sum(s in h for h in held) == 1
+        for k in range(1, 4):
+            before, now = replies[s][k - 1]["usage"], replies[s][k]["usage"]
+            # The whole history was held: only the new message (and the reply's last token) computed.
+            assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
+    assert restored == [0, 0]  # nothing came back from disk: no turn landed away from its session
+    return {s: [r["choices"][0]["message"]["content"] for r in replies[s]] for s in SESSIONS}
+
+
+def test_every_turn_lands_on_its_sessions_replica(uninterrupted):
+    assert len(uninterrupted) == 8 and all(len(v) == 4 for v in uninterrupted.values())
+
+
+def test_a_killed_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted):
+    with start(tmp_path) as c:
+        histories = {s: [] for s in SESSIONS}
+        first = run_turns(c.url, histories, slice(0, 2))
+        victims = set(local_sessions(c.replica_urls[0]))
+        assert victims
+        stored = respond(c.replica_urls[0], "Say hello.", None)
+        c.kill(0)
+        rest = run_turns(c.url, histories, slice(2, None))
+        # A response stored on the dead replica is continued through the router by the survivor.
+        continued = respond(c.url, "And goodbye.", stored["id"])
+        assert continued["usage"]["input_tokens_details"]["cached_tokens"] >= stored["usage"]["input_tokens"]
+        survivor = local_sessions(c.replica_urls[1])
+        assert all(survivor[s] == 4 for s in SESSIONS)  # every session, the dead replica's too, is here now
+        assert restored_tokens(c.replica_urls[1]) > 0
+    for s in victims:
+        # Its KV came back from the shared disk tier: the history was not recomputed.
+        before, now = first[s][1]["usage"], rest[s][0]["usage"]
+        assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
+    for s in SESSIONS:
+        assert [r["choices"][0]["message"]["content"] for r in first[s] + rest[s]] == uninterrupted[s]
+
+
+def test_a_missing_router_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster_module, "router_available", lambda: False)
+    with pytest.raises(RouterMissingError, match=r"pip install '\.\[cluster\]'"):
+        Cluster(2, tmp_path).start()
+
+
+def test_a_replica_that_cannot_start_is_a_clear_error(tmp_path):
+    c = Cluster(2, tmp_path, port=free_port(), replica_ports=[free_port(), free_port()], threads=1,
+                serve_args=[*SERVE_ARGS, "--kv-retention", "never"], startup_timeout=60)
+    with pytest.raises(StartError, match=r"replica 0 exited with 2 before it was ready(.|\n)*invalid choice: 'never'"):
+        c.start()
+    assert all(not p.alive() for p in c.replicas)
