@@ -25,9 +25,10 @@ def questions(session_id: str) -> list[str]:
 
 
 def start(tmp_path, **kwargs) -> Cluster:
+    """Two replicas and the router, started by `with`."""
     return Cluster(2, tmp_path / "state", port=free_port(), replica_ports=[free_port(), free_port()],
                    metrics_port=free_port(), threads=1,
-                   serve_args=SERVE_ARGS, startup_timeout=120, **kwargs).start()
+                   serve_args=SERVE_ARGS, startup_timeout=120, **kwargs)
 
 
 def turn(url: str, session_id: str, history: list[dict], question: str) -> dict:

@@ -140,6 +140,8 @@ class Cluster:
         self._stopping = threading.Event()
 
     def start(self) -> "Cluster":
+        if self.replicas:  # a second start would orphan the first router and replicas
+            raise ClusterError("this cluster was already started")
         if not router_available():
             raise RouterMissingError("the router is not installed: pip install '.[cluster]' (vllm-router from PyPI)")
         self.log_dir.mkdir(parents=True, exist_ok=True)
