@@ -59,6 +59,17 @@ def fresh_reply(engine: Engine, prompt: list[int]) -> list[int]:
         return fresh.generate(48, temperature=0.0, grammar=request_grammar(engine, TOOLS, None, None, True))
 
 
+def assert_as_a_fresh_prefill(engine: Engine, session, prompt: list[int], reply: list[int]) -> None:
+    """The session's own KV, read back at the prompt's end, gives the logits a
+    fresh prefill of the prompt gives, and the reply is that prefill's."""
+    with engine.session() as fresh:
+        want = fresh.append(prompt)
+    with session.fork() as again:
+        again.truncate(len(prompt) - 1)
+        assert torch.equal(again.append(prompt[-1:]), want)
+    assert reply == fresh_reply(engine, prompt)
+
+
 def test_native_continuation_computes_only_the_new_messages(engines):
     engine = engines["native"]
     with engine.session() as s:
@@ -77,12 +88,7 @@ def test_native_continuation_computes_only_the_new_messages(engines):
         # Everything held was reused; computed: the new messages, and the reply's last
         # token, whose KV no step had computed yet (no loop ran to pre-position them).
         assert u["cached_tokens"] == held - 1 and u["computed_tokens"] == u["prompt_tokens"] - held + 1
-        with engine.session() as fresh:
-            want = fresh.append(prompt)
-        with s.fork() as again:  # the native session's own KV, read back at the prompt's end
-            again.truncate(len(prompt) - 1)
-            assert torch.equal(again.append(prompt[-1:]), want)
-        assert second.token_ids == fresh_reply(engine, prompt)
+        assert_as_a_fresh_prefill(engine, s, prompt, second.token_ids)
 
 
 def test_a_reply_cut_by_max_tokens_continues_natively(engines):
@@ -137,12 +143,7 @@ def test_the_tool_results_opening_is_computed_while_idle_and_kept(serving):
         u = second.usage
         assert u["native"] and u["cached_tokens"] == log.length + len(log.ahead)
         prompt = s.tokens[: u["prompt_tokens"]]
-        with engine.session() as fresh:
-            want = fresh.append(prompt)
-        with s.fork() as again:
-            again.truncate(len(prompt) - 1)
-            assert torch.equal(again.append(prompt[-1:]), want)
-        assert second.token_ids == fresh_reply(engine, prompt)
+        assert_as_a_fresh_prefill(engine, s, prompt, second.token_ids)
 
 
 def test_prepositioned_tokens_roll_back_when_the_turn_begins_otherwise(serving):
