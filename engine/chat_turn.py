@@ -158,8 +158,10 @@ class ChatTurn:
         results, for the scheduler to compute when it is idle."""
         opening = tool_result_opening(self.engine.tokenizer, self.messages + [_reply_message(content, calls)],
                                       self.tools)
-        if opening:
-            session.preposition(self.engine.tokenizer.encode(session.message_log.gap + opening))
+        ids = self.engine.tokenizer.encode(session.message_log.gap + opening) if opening else []
+        # Never at the context's end: the turn it would begin could not run anyway.
+        if ids and len(session) + len(ids) < self.engine.max_context:
+            session.preposition(ids)
 
     def _log(self, session: "Session", content: str, calls: list[dict]) -> MessageLog | None:
         """The session's messages after this turn, if its next can continue
