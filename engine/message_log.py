@@ -74,6 +74,22 @@ class MessageLog:
     gap: str  # template text after the last held token, before the next message
     ahead: tuple[int, ...] = ()  # held past `length`: what the next message was expected to begin with
 
+    def to_json(self) -> dict:
+        return {"digests": [d.hex() for d in self.digests], "tools": self.tools.hex(), "length": self.length,
+                "gap": self.gap, "ahead": list(self.ahead)}
+
+    @classmethod
+    def from_json(cls, body: dict) -> "MessageLog":
+        """A saved log (ValueError if it is not one): a resumed session continues natively."""
+        try:
+            log = cls(tuple(bytes.fromhex(d) for d in body["digests"]), bytes.fromhex(body["tools"]),
+                      int(body["length"]), str(body["gap"]), tuple(int(t) for t in body["ahead"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a message log: {e}") from None
+        if log.length < 0 or not all(len(d) == 16 for d in log.digests):
+            raise ValueError("not a message log")
+        return log
+
     def continues(self, digests: list[bytes], tools: bytes, session_length: int) -> bool:
         """Whether a request of these messages (and tools) extends the logged
         conversation by at least one message, on a session still as logged."""

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from engine import Engine
 from engine.api import create_app
+from engine.api.tenants import OPEN_TENANT, Tenant
 
 MODEL = "agentkv-state"
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,12 @@ def in_process(state: Path | None, **engine_kwargs):
     return TestClient(create_app(engine, MODEL, state_dir=state))
 
 
+def held_session(client: TestClient):
+    """The open server's one session."""
+    (session,) = client.app.state.api.sessions.sessions_of(Tenant(OPEN_TENANT))
+    return session
+
+
 def post_with(client: TestClient):
     def post(body: dict) -> dict:
         r = client.post("/v1/chat/completions", json=body)
@@ -76,7 +83,10 @@ def test_clean_restart_resumes_sessions_from_disk(tmp_path, uninterrupted):
     with in_process(tmp_path) as client:
         first = turns(post_with(client), "a", QUESTIONS[:2], history)
         length = client.get("/v1/sessions/a").json()["length"]
+        log = held_session(client).message_log
+        assert log is not None
     with in_process(tmp_path) as client:
+        assert held_session(client).message_log == log  # the next turn continues natively
         listed = client.get("/v1/sessions").json()
         assert [s["id"] for s in listed["data"]] == ["a"] and listed["reports"] == []
         info = listed["data"][0]

@@ -22,6 +22,7 @@ from pathlib import Path
 from engine.api.json_files import JsonFiles, Stamp
 from engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
 from engine.api.tenants import TENANT_NAME
+from engine.message_log import MessageLog
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class SavedSession:
     key: str
     tokens: list[int]
     turns: list[TurnRecord]
+    log: MessageLog | None = None  # which chat messages the tokens are (engine.message_log)
 
 
 def check_tokens(tokens: object, vocab_size: int) -> list[int]:
@@ -57,7 +59,7 @@ class SessionFiles:
     def save(self, s: SavedSession) -> Stamp:
         return self.files.write(_name(s.tenant, s.session_id), {
             "tenant": s.tenant, "id": s.session_id, "namespace": s.namespace, "key": s.key, "tokens": s.tokens,
-            "turns": [t.model_dump() for t in s.turns]})
+            "turns": [t.model_dump() for t in s.turns], "log": s.log.to_json() if s.log is not None else None})
 
     def delete(self, tenant: str, session_id: str) -> None:
         self.files.delete(_name(tenant, session_id))
@@ -79,5 +81,9 @@ class SessionFiles:
 def _parse(b: dict, vocab_size: int) -> SavedSession:
     if not re.match(SESSION_ID_PATTERN, b["id"]) or not TENANT_NAME.match(b["tenant"]):
         raise ValueError(f"bad session id {b['id']!r} or tenant {b['tenant']!r}")
-    return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), check_tokens(b["tokens"], vocab_size),
-                        [TurnRecord(**t) for t in b["turns"]])
+    tokens = check_tokens(b["tokens"], vocab_size)
+    log = MessageLog.from_json(b["log"]) if b.get("log") is not None else None
+    if log is not None and log.length + len(log.ahead) != len(tokens):
+        log = None  # not of these tokens: the session continues template-faithfully once
+    return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), tokens,
+                        [TurnRecord(**t) for t in b["turns"]], log)

@@ -116,6 +116,7 @@ class SessionRegistry:
         saved = self.files.load(self.engine.model.cfg.vocab_size)
         for s in saved:
             session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
+            session.message_log = s.log
             with self._lock:
                 self._entries[s.tenant, s.session_id] = _Entry(s.tenant, s.session_id, session, list(s.turns))
         return {s.key for s in saved}
@@ -128,7 +129,7 @@ class SessionRegistry:
         try:
             s.save()
             entry.stamp = self.files.save(SavedSession(entry.tenant, entry.session_id, s.namespace, s.key, s.tokens,
-                                                       list(entry.turns)))
+                                                       list(entry.turns), s.message_log))
         except (EngineError, OSError) as e:  # the session serves on; only its saved copy is stale
             log.warning("session %s of tenant %s was not saved: %s", entry.session_id, entry.tenant, e)
 
@@ -176,6 +177,7 @@ class SessionRegistry:
         if self.engine.tier is not None:
             self.engine.tier.adopt(saved.key)
         session = self.engine.session(saved.namespace, tokens=saved.tokens, key=saved.key)
+        session.message_log = saved.log
         with self._lock:
             current = self._live(tenant, session_id)
             if current is not None and (current.busy or current.stamp == stamp):
