@@ -158,3 +158,10 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         return self._advance([token]) == 1
+
+    def forced(self) -> list[int]:
+        """Tokens spelling what the grammar forces next (jump-forward: `{"name": "`
+        once a call has opened, a closing brace, a tag), the state unchanged.
+        xgrammar matches the longest vocabulary tokens, which need not be the
+        model's spelling: they are drafted and verified, not assumed."""
+        return self._matcher.find_jump_forward_tokens()

@@ -50,6 +50,7 @@ class Request:
     admitted: bool = False  # counted as running (has been scheduled since it last queued)
     preemptions: int = 0
     started: bool = False  # admitted at least once (what it found held or cached is counted then)
+    forced: int = 0  # of its latest draft, the leading tokens the grammar forced
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @property

@@ -423,8 +423,17 @@ class Scheduler:
         if not req.speculative or room < 1 or not req.output:
             return []
         drafter = seq.draft_index()
-        k = min(drafter.draft_len, room)
-        draft = drafter.propose(k) if k > 0 else []
+        # What the grammar forces next comes first; prompt lookup continues after it.
+        forced = req.grammar.forced()[:room] if req.grammar is not None else []
+        req.forced = len(forced)
+        k = min(drafter.draft_len, room - len(forced))
+        if forced and k > 0:
+            drafter.extend(forced)
+            more = drafter.propose(k)
+            drafter.truncate(len(seq.tokens))
+        else:
+            more = drafter.propose(k) if k > 0 else []
+        draft = forced + more
         # A draft token the grammar forbids could never be accepted, nor anything after it.
         return req.grammar.clip(draft) if req.grammar is not None and draft else draft
 
@@ -484,6 +493,9 @@ class Scheduler:
             seq.turn.drafted_tokens += len(draft)
             seq.turn.accepted_tokens += accepted
             seq.turn.verify_steps += 1
+            forced = min(req.forced, len(draft))
+            seq.turn.forced_tokens += forced
+            seq.turn.forced_accepted += min(accepted, forced)
         new = draft[:accepted] + [token]
         for i in range(len(new)):
             if req.grammar is not None and not req.grammar.accept(new[i]):

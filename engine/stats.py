@@ -18,6 +18,8 @@ class TurnStats:
     decode_steps: int = 0
     drafted_tokens: int = 0  # speculation: draft tokens verified
     accepted_tokens: int = 0  # of those, accepted
+    forced_tokens: int = 0  # of the drafted, what the grammar forced (jump-forward)
+    forced_accepted: int = 0  # of those, accepted
     verify_steps: int = 0  # decode steps that verified a draft
 
     @property

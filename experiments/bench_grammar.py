@@ -78,7 +78,10 @@ def bench_turn(eng: Engine, renderer: D.Renderer, turn: D.EvalTurn, max_tokens: 
             if mode == "required":
                 spec_ids, _ = answer(eng, s, len(prompt), grammar, max_tokens, speculative=True)
                 row[mode]["identical_with_speculation"] = spec_ids == ids
-                row[mode]["spec"] = {"drafted": eng.stats[-1].drafted_tokens, "accepted": eng.stats[-1].accepted_tokens}
+                st = eng.stats[-1]
+                row[mode]["spec"] = {"drafted": st.drafted_tokens, "accepted": st.accepted_tokens,
+                                     "forced": st.forced_tokens, "forced_accepted": st.forced_accepted,
+                                     "tokens": len(spec_ids), "decode_steps": st.decode_steps}
     return row
 
 
@@ -94,7 +97,8 @@ def summarize(rows: list[dict]) -> dict:
     req = [r["required"] for r in rows]
     out["required"]["identical_with_speculation"] = all(r["identical_with_speculation"] for r in req)
     out["required"]["drafted"] = sum(r["spec"]["drafted"] for r in req)
-    out["required"]["accepted"] = sum(r["spec"]["accepted"] for r in req)
+    for key in ("accepted", "forced", "forced_accepted", "tokens", "decode_steps"):
+        out["required"][key] = sum(r["spec"][key] for r in req)
     return out
 
 
@@ -135,7 +139,9 @@ def main(argv=None) -> int:
     req = summary["required"]
     print(f"{len(rows)} turns, median prompt {statistics.median(r['prompt_tokens'] for r in rows)} tokens; "
           f"required with speculation: identical greedy output {req['identical_with_speculation']}, "
-          f"{req['accepted']}/{req['drafted']} drafted tokens accepted; grammars compiled: {eng.grammars.compiles}")
+          f"{req['accepted']}/{req['drafted']} drafted tokens accepted ({req['forced_accepted']}/{req['forced']} of "
+          f"those the grammar forced), {req['tokens'] / req['decode_steps']:.2f} tokens per decode step; "
+          f"grammars compiled: {eng.grammars.compiles}")
     out = run_dir("bench_grammar")
     write_json(out / "results.json", {"summary": summary, "rows": rows, "args": vars(args), "machine": machine(),
                                       "wall_s": time.monotonic() - start})

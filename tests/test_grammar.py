@@ -160,6 +160,17 @@ def test_speculation_gives_identical_constrained_greedy_output(engine):
     assert turn.drafted_tokens > turn.accepted_tokens > 0  # drafts were made, some accepted, some rejected
 
 
+def test_what_the_grammar_forces_is_drafted_and_output_stays_identical(engine):
+    """With prompt lookup finding nothing, the drafts are what the grammar
+    forces alone (a call's syntax, the tool's name once begun, required keys)."""
+    prompt = engine.tokenizer.apply_chat_template(user(1), tools=TOOLS)
+    plain, _ = constrained(engine, prompt, speculative=False)
+    spec, turn = constrained(engine, prompt, speculative=True, drafter=FixedDrafter([]))
+    assert spec == plain and replays(engine, spec)
+    assert turn.drafted_tokens == turn.forced_tokens > 0 and turn.forced_accepted > 0
+    assert turn.decode_steps < len(plain)  # forced tokens took no decode step of their own
+
+
 def test_a_draft_the_grammar_forbids_ends_there(engine):
     prompt = prompt_with_calls(engine)
     plain, _ = constrained(engine, prompt, speculative=False)
@@ -168,7 +179,8 @@ def test_a_draft_the_grammar_forbids_ends_there(engine):
     drafter = FixedDrafter(plain[1:3] + [bad] + plain[3:6])
     spec, turn = constrained(engine, prompt, speculative=True, drafter=drafter)
     assert spec == plain and replays(engine, spec)
-    assert turn.verify_steps and turn.drafted_tokens <= 2 * turn.verify_steps  # never past the forbidden token
+    # Never past the forbidden token (what the grammar forced drafts on its own, ahead of the drafter's).
+    assert turn.verify_steps and turn.drafted_tokens - turn.forced_tokens <= 2 * turn.verify_steps
 
 
 def test_sampling_with_speculation_stays_in_the_grammar(engine):
