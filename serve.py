@@ -59,7 +59,8 @@ def serve(argv: list[str]) -> None:
                         help="live sessions; past it the longest idle one is closed")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
-    access = parser.add_argument_group("tenants", "who may use the server, and how much of it each tenant may hold")
+    access = parser.add_argument_group("tenants", "who may use the server, and how much of it each tenant may hold "
+                                       "(the --tenant-* quotas apply with API keys: an open server has one tenant)")
     access.add_argument("--api-key", action="append", default=[],
                         help="a key clients send as `Authorization: Bearer KEY`; repeatable, each its own tenant "
                              "(none, and no --api-keys-file: the server is open to anyone who reaches it)")

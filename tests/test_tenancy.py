@@ -99,6 +99,25 @@ def test_a_known_key_passes_and_the_key_is_never_logged(client, caplog):
     assert KEY_A not in caplog.text and KEY_B not in caplog.text and "sk-guess" not in caplog.text
 
 
+def test_a_keys_file_with_no_key_is_refused_at_start(tmp_path):
+    (tmp_path / "keys").write_text("# none yet\n")
+    with pytest.raises(ApiKeysError, match="no keys"):
+        ApiKeys.from_args([], tmp_path / "keys")
+
+
+def test_an_open_server_has_one_tenant_and_no_per_tenant_quotas(engine):
+    """Quotas share a server out between tenants; alone, the tenant is held to the server's own limits."""
+    quotas = Quotas(max_sessions=1, max_concurrent=1, max_body_bytes=4096, default_max_tokens=3)
+    with TestClient(create_app(engine, MODEL, quotas=quotas)) as c:
+        for name in ("o1", "o2"):
+            assert c.post("/v1/sessions", json={"session_id": name}).status_code == 200
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]})
+        assert r.status_code == 413  # the body limit and the default budget apply always
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "ignore_eos": True,
+                                                 "messages": [{"role": "user", "content": "Tell me a story."}]})
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
 def test_public_metrics_and_an_open_server(engine):
     with TestClient(create_app(engine, MODEL, keys=ApiKeys(KEYS), public_metrics=True)) as c:
         assert c.get("/metrics").status_code == 200
@@ -125,6 +144,15 @@ def test_keys_file_parses_reloads_and_keeps_old_keys_on_a_bad_file(tmp_path):
             keys.reload()
         serve._reload(keys)  # logs and keeps the keys it had
         assert keys.authenticate("Bearer k4") == Tenant("charlie")
+    # Every key removed from the file (and none on the command line): refused, never open.
+    only = tmp_path / "only"
+    only.write_text("k5 delta\n")
+    only_file = ApiKeys.from_args([], only)
+    only.write_text("# every key removed\n")
+    with pytest.raises(ApiKeysError, match="no keys"):
+        only_file.reload()
+    assert not only_file.open and only_file.authenticate("Bearer k5") == Tenant("delta")
+    assert only_file.authenticate(None) is None
 
 
 # One namespace per tenant and per cache_salt.

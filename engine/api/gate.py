@@ -41,9 +41,10 @@ class Gate:
                 401, "a valid API key is required: send it as `Authorization: Bearer KEY`",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
             return
-        limit = self.quotas.max_concurrent
+        # Only between tenants: an open server's one tenant is bounded by the server's queue.
+        limit = self.quotas.max_concurrent if not self.keys.open else None
         with self._lock:
-            busy = self._in_flight[tenant.name] >= limit
+            busy = limit is not None and self._in_flight[tenant.name] >= limit
             if not busy:
                 self._in_flight[tenant.name] += 1
         if busy:

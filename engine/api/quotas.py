@@ -1,5 +1,8 @@
 """Per-tenant quotas: how much of the server one tenant may hold or use at
-once, so that no tenant can crowd out another or exhaust a resource.
+once, so that no tenant can crowd out another or exhaust a resource. They
+apply with API keys configured; an open server has one tenant, bounded by
+the server-wide limits (engine.limits). The body limit and the default
+max_tokens apply always.
 
 Each is checked before anything changes: a request over one is refused
 with 429 (413 for a body that is too large) and leaves every session,

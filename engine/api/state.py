@@ -42,21 +42,23 @@ class ApiState:
         saved there (resume() takes up earlier ones; shared_state: replicas
         share it, each taking up what the others saved when it is asked for).
         No keys: open to all, as the one tenant "default"."""
-        quotas = quotas or Quotas()
+        quotas, keys = quotas or Quotas(), keys or ApiKeys()
+        # Per-tenant quotas share a server out between tenants; an open server
+        # has one, which the server-wide limits (engine.limits) bound already.
+        shared_out = not keys.open
         sessions = SessionRegistry(engine, SessionFiles(state_dir) if state_dir is not None else None,
-                                   quotas.max_sessions, shared=shared_state)
+                                   quotas.max_sessions if shared_out else None, shared=shared_state)
         responses = ResponseStore(max_stored_responses, ResponseFiles(state_dir) if state_dir is not None else None,
-                                  quotas.max_responses)
+                                  quotas.max_responses if shared_out else None)
         if shared_state:
             responses.share(engine)
-        return cls(engine, model_name, sessions, responses, Metrics(engine, sessions, model_name),
-                   keys or ApiKeys(), quotas)
+        return cls(engine, model_name, sessions, responses, Metrics(engine, sessions, model_name), keys, quotas)
 
     def check_kv_quota(self, tenant: Tenant) -> None:
         """429 if the tenant's sessions and stored responses already hold
         their quota of KV pages (before a request adds more)."""
         limit = self.quotas.max_kv_pages
-        if limit is not None:
+        if limit is not None and not self.keys.open:
             sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
             check_held("KV pages (in the pool and the second tier)", kv_pages_held(self.engine, sessions), limit,
                        "delete or truncate sessions, or delete stored responses")

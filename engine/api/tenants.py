@@ -95,6 +95,9 @@ class ApiKeys:
                 if key in keys and keys[key] != name:
                     raise ApiKeysError(f"{self.file}: a key given on the command line names another tenant here")
                 keys[key] = name
+        if not keys and (self.file is not None or self._named):
+            # A server started with keys never opens: an emptied keys file is a mistake, not "let everyone in".
+            raise ApiKeysError(f"{self.file}: no keys; a server started with keys keeps at least one")
         entries = [(_digest(key), Tenant(name)) for key, name in keys.items()]
         with self._lock:
             self._entries = entries
