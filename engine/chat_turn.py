@@ -139,9 +139,10 @@ class ChatTurn:
             session.adopt(work)
             session.end_turn([c["name"] for c in calls])
             if self.digests is not None:
-                session.message_log = self._log(session, content, calls)
+                reply = _reply_message(content, calls)
+                session.message_log = self._log(session, reply)
                 if calls and session.message_log is not None and self.engine.preposition:
-                    self._preposition(session, content, calls)
+                    self._preposition(session, reply)
         usage = {
             "prompt_tokens": self.prompt_len,
             "completion_tokens": len(ids),
@@ -153,23 +154,21 @@ class ChatTurn:
         }
         return ChatResult(content, calls, usage, "tool_calls" if calls else req.finish_reason, ids)
 
-    def _preposition(self, session: "Session", content: str, calls: list[dict]) -> None:
+    def _preposition(self, session: "Session", reply: dict) -> None:
         """While the tools run: hold what the template writes before their
         results, for the scheduler to compute when it is idle."""
-        opening = tool_result_opening(self.engine.tokenizer, self.messages + [_reply_message(content, calls)],
-                                      self.tools)
+        opening = tool_result_opening(self.engine.tokenizer, self.messages + [reply], self.tools)
         ids = self.engine.tokenizer.encode(session.message_log.gap + opening) if opening else []
         # Never at the context's end: the turn it would begin could not run anyway.
         if ids and len(session) + len(ids) < self.engine.max_context:
             session.preposition(ids)
 
-    def _log(self, session: "Session", content: str, calls: list[dict]) -> MessageLog | None:
+    def _log(self, session: "Session", reply: dict) -> MessageLog | None:
         """The session's messages after this turn, if its next can continue
         natively: the template's text after the reply is known (see
         model.chat_suffix.reply_gap; not after a stop string, which the
         reply's text no longer holds)."""
         tokens = session.tokens
-        reply = _reply_message(content, calls)
         tokenizer = self.engine.tokenizer
         ended = tokens[-1] in self.engine.eos_token_ids
         gap = reply_gap(tokenizer, self.messages, reply, self.tools, tokenizer.decode(tokens[self.prompt_len:]),

@@ -85,5 +85,5 @@ def tool_result_opening(tokenizer: "Tokenizer", messages: list[dict], tools: lis
     if None in probes:
         return ""
     common = os.path.commonprefix(probes)
-    ends = [common.rfind(t) + len(t) for t in tokenizer.added_token_texts if t and t in common]
+    ends = [common.rfind(t) + len(t) for t in tokenizer.added_tokens.values() if t and t in common]
     return common[: max(ends, default=0)]

@@ -239,9 +239,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def added_token_texts(self) -> list[str]:
-        """The added tokens' texts, which the tokenizer splits on before anything else."""
-        return [t.content for t in self.backend.get_added_tokens_decoder().values()]
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (id -> text), which the tokenizer splits on before anything else."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
 
     @property
     def chat_template(self) -> str | None:

@@ -52,6 +52,12 @@ def turn(engine: Engine, session, messages: list[dict]):
     return engine.chat(messages, TOOLS, session=session, max_tokens=48, temperature=0.0)
 
 
+def called(engine: Engine, session, city: str) -> list[dict]:
+    """A first turn that calls get_weather, then its result: the next turn's messages."""
+    messages = [ask(city)]
+    return messages + [echo(turn(engine, session, messages)), tool_result(city)]
+
+
 def fresh_reply(engine: Engine, prompt: list[int]) -> list[int]:
     """The greedy reply of a fresh session prefilled with prompt, under the grammar a chat turn with TOOLS has."""
     with engine.session() as fresh:
@@ -170,8 +176,7 @@ def test_prepositioned_tokens_roll_back_when_the_turn_begins_otherwise(serving):
 def test_template_faithful_reproduces_a_full_render(engines):
     engine = engines["template-faithful"]
     with engine.session() as s:
-        messages = [ask("Lima")]
-        messages += [echo(turn(engine, s, messages)), tool_result("Lima")]
+        messages = called(engine, s, "Lima")
         second = turn(engine, s, messages)
         assert not second.usage["native"] and s.message_log is None
         full = engine.tokenizer.apply_chat_template(messages, tools=TOOLS)
@@ -182,8 +187,7 @@ def test_template_faithful_reproduces_a_full_render(engines):
 def test_an_edited_history_falls_back_to_reuse_up_to_the_edit(engines):
     engine = engines["native"]
     with engine.session() as s:
-        messages = [ask("Baku")]
-        messages += [echo(turn(engine, s, messages)), tool_result("Baku")]
+        messages = called(engine, s, "Baku")
         messages += [echo(turn(engine, s, messages)), ask("Nuuk")]
         assert s.message_log is not None
         held = s.tokens
@@ -200,8 +204,7 @@ def test_an_edited_history_falls_back_to_reuse_up_to_the_edit(engines):
 def test_a_truncated_session_forgets_its_log(engines):
     engine = engines["native"]
     with engine.session() as s:
-        messages = [ask("Kyiv")]
-        messages += [echo(turn(engine, s, messages)), tool_result("Kyiv")]
+        messages = called(engine, s, "Kyiv")
         s.truncate(len(s) - 3)
         assert s.message_log is None
         second = turn(engine, s, messages)

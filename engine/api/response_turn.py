@@ -175,15 +175,11 @@ def plan(
     return whole
 
 
-def _added_tokens(tokenizer: "Tokenizer") -> dict[int, str]:
-    return {i: token.content for i, token in tokenizer.backend.get_added_tokens_decoder().items()}
-
-
 def _continues(tokenizer: "Tokenizer", held: HeldText, text: str) -> bool:
     if not held.is_prefix_of(text):
         return False
     rest = text[held.end :]
-    return any(held.piece.endswith(a) or rest.startswith(a) for a in _added_tokens(tokenizer).values())
+    return any(held.piece.endswith(a) or rest.startswith(a) for a in tokenizer.added_tokens.values())
 
 
 def retokenize_reply(tokenizer: "Tokenizer", session: "Session", prompt_len: int) -> None:
@@ -195,7 +191,7 @@ def retokenize_reply(tokenizer: "Tokenizer", session: "Session", prompt_len: int
     it with its own tokens, as chat completions recompute from a difference).
     The tail starts after the last added token before the reply, where the
     tokenizer splits anyway."""
-    tokens, added = session.tokens, _added_tokens(tokenizer)
+    tokens, added = session.tokens, tokenizer.added_tokens
     start = next((i + 1 for i in range(prompt_len - 1, -1, -1) if tokens[i] in added), 0)
     drawn = tokens[start:]
     canonical = tokenizer.encode(tokenizer.decode(drawn))
