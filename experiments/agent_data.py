@@ -792,7 +792,7 @@ def episode_turn(ep: T.Episode, renderer: Renderer, seed: int, source: str) -> E
 
 
 TASK_EVAL_SEED = EVAL_SEED_BASE + 77_777
-TASK_EVAL_COUNTS = {"call": 60, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 10}
+TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 10}
 
 
 def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None,

@@ -259,7 +259,7 @@ SYSTEM_STYLES = (
     "You are {agent}, {company}'s assistant. Use the tools when they help; otherwise just answer.",
     "# Role\nYou are the {agent} for {company}.\n\n# Rules\n- Call a tool only when you need its result.\n"
     "- Copy ids and values exactly as the user gives them.\n- When you have the answer, reply in plain text.",
-    "{agent}. Be brief.",
+    "{agent}. Keep it short.",
     "You work for {company} support. Resolve the user's request with the available functions, then report back.",
     "Instructions: help {company} staff with their requests. Never invent ids: use exactly the ones given.",
     "You are an agent in a team of agents at {company}. Your name is {agent}.",
@@ -324,8 +324,9 @@ def request_text(r: random.Random, verb: str, entity: str, id_value: str, extras
     text = core + ((", " if placement not in ("quoted", "paren") else " ") + ", ".join(parts) if parts else "")
     opener = r.choice(OPENERS)
     text = opener + (text[0].upper() + text[1:] if not opener or opener.endswith(". ") else text)
-    if r.random() < 0.15:  # terse
-        text = text.lower().rstrip(".").removeprefix("please ")
+    if r.random() < 0.15:  # terse (values keep their case)
+        text = text.removeprefix("Please ").removeprefix("please ").rstrip(".")
+        text = text[:1].lower() + text[1:]
     return text.rstrip() + r.choice([".", "", "?", "!"]) + r.choice(CLOSERS)
 
 
@@ -433,8 +434,10 @@ def _messages_start(r: random.Random, agent: str | None = None) -> list[dict]:
 
 
 def call_episode(r: random.Random, arg_ok, heldout: frozenset[str], placement: str | None = None,
-                 long_context: bool | None = None) -> Episode:
-    """A request whose answer is one tool call, values placed per placement."""
+                 filler: int | None = None) -> Episode:
+    """A request whose answer is one tool call, values placed per placement,
+    after `filler` earlier exchanges about other records (default: none or
+    a few, at random)."""
     placement = placement or r.choice(PLACEMENTS)
     entity = r.choice(list(ENTITIES))
     verb = r.choice([v for v in VERBS if v != "get"]) if placement == "result" else r.choice(list(VERBS))
@@ -444,15 +447,15 @@ def call_episode(r: random.Random, arg_ok, heldout: frozenset[str], placement: s
     args = target.args(r, id_value, len(target.extras))
     extras = {k: v for k, v in args.items() if k != target.id_name}
     msgs = _messages_start(r)
-    long_context = long_context if long_context is not None else r.random() < 0.3
+    if filler is None:
+        filler = r.randint(1, 5) if r.random() < 0.3 else 0
     if placement == "earlier":
         msgs.append({"role": "user", "content": r.choice([
             f"My {entity} is {id_value}.", f"I'm asking about {entity} {id_value}.",
             f"For reference, the {entity} number is {id_value}.", f"Context: {entity} {id_value}, opened last week."])})
         msgs.append({"role": "assistant", "content": r.choice(["Noted. What should I do with it?", "Got it.",
                                                                "Thanks, what would you like me to do?"])})
-    if long_context:
-        msgs += _filler_turns(r, r.randint(1, 4), entity, arg_ok)
+    msgs += _filler_turns(r, filler, entity, arg_ok)
     if placement == "result":
         getter = make_tool(r, "get", entity, arg_ok)
         if getter.name not in {t.name for t in tools}:
@@ -466,7 +469,7 @@ def call_episode(r: random.Random, arg_ok, heldout: frozenset[str], placement: s
         msgs.append({"role": "user", "content": f"{r.choice(VERBS['get'][0]).capitalize()} {parent} {pid}."})
         call = _assistant_call(ptool.name, {ptool.id_name: pid}, r)
         rec = _record(r, parent, ptool.id_name, pid)
-        rec[f"{entity}_id"] = id_value
+        rec[target.id_name] = id_value
         msgs += [call, _tool_msg(call, rec), {"role": "assistant", "content": _answer_text(r, parent, pid, rec)}]
     msgs.append({"role": "user", "content": request_text(r, verb, entity, id_value, extras, placement,
                                                          target.id_name)})
@@ -633,8 +636,10 @@ def eval_episodes(seed: int, counts: dict[str, int], arg_ok_train, heldout: froz
             if kind == "call":
                 # Even turns: argument names from the held-out ones where a tool has them.
                 ok = (lambda a: a in heldout or a not in task_arg_names()) if k % 2 == 0 else arg_ok_train
-                ep = call_episode(r, ok, heldout, placement=PLACEMENTS[k % len(PLACEMENTS)],
-                                  long_context=k % 3 == 0)
+                placement = PLACEMENTS[k % len(PLACEMENTS)]
+                # The value far back: always for values from earlier turns and results, else every third turn.
+                far = placement in ("earlier", "result") or k % 3 == 0
+                ep = call_episode(r, ok, heldout, placement=placement, filler=r.randint(2, 8) if far else 0)
             else:
                 ep = MAKERS[kind][0](r, lambda a: True, heldout)
             out.append(ep)
