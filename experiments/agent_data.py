@@ -89,7 +89,7 @@ UNDIRECTED_RATE = 0.25
 DESCRIBED_RATE = 0.5  # of directed turns
 FULL_TOOLSET_RATE = 0.35
 COMPACT_RATE = 0.15  # windows whose system prompt keeps only the intro and the role
-TASK_RATE = 0.45  # of example refills: a batch of task episodes (experiments/agent_tasks.py) instead of a workflow
+TASK_RATE = 0.5  # of example refills: a batch of task episodes (experiments/agent_tasks.py) instead of a workflow
 TASK_BATCH = 8
 
 PREFIXES = frozenset(p for d in W.DOMAINS.values() for p in d.prefixes)
@@ -792,7 +792,7 @@ def episode_turn(ep: T.Episode, renderer: Renderer, seed: int, source: str) -> E
 
 
 TASK_EVAL_SEED = EVAL_SEED_BASE + 77_777
-TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 10}
+TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16}
 
 
 def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None,

@@ -580,7 +580,7 @@ HANDOFF_AGENTS = {
 }
 
 
-def handoff_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episode:
+def handoff_episode(r: random.Random, arg_ok, heldout: frozenset[str], receiving: bool | None = None) -> Episode:
     """Triage hands off to the agent covering the request (a transfer tool per
     agent, as the OpenAI Agents SDK offers), or, as the receiving agent, acts
     on the values the user gave before the hand-off."""
@@ -602,7 +602,7 @@ def handoff_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episod
         f"You are {r.choice(COMPANIES)}'s front desk. Transfer to a specialist; do not answer yourself."])},
         {"role": "user", "content": request}]
     transfer = _assistant_call(f"transfer_to_{target}", {}, r)
-    if r.random() < 0.5:
+    if not (receiving if receiving is not None else r.random() < 0.5):
         msgs.append(transfer)
         return Episode(msgs, transfers, "handoff", "none", 0)
     # The receiving agent: the SDK sends the history with the transfer and its result.
@@ -640,6 +640,8 @@ def eval_episodes(seed: int, counts: dict[str, int], arg_ok_train, heldout: froz
                 # The value far back: always for values from earlier turns and results, else every third turn.
                 far = placement in ("earlier", "result") or k % 3 == 0
                 ep = call_episode(r, ok, heldout, placement=placement, filler=r.randint(2, 8) if far else 0)
+            elif kind == "handoff":  # alternately the transfer and the receiving agent's call
+                ep = handoff_episode(r, lambda a: True, heldout, receiving=k % 2 == 1)
             else:
                 ep = MAKERS[kind][0](r, lambda a: True, heldout)
             out.append(ep)
