@@ -60,7 +60,6 @@ This module imports no torch, so data workers start fast.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 import re
@@ -71,6 +70,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import agent_tasks as T
+from experiments.agent_tasks import stable_hash
 from experiments import workloads as W
 from model.default_tokenizer import CHAT_TEMPLATE
 from model.tokenizer import Tokenizer, render_chat_template
@@ -94,10 +94,6 @@ TASK_BATCH = 8
 
 PREFIXES = frozenset(p for d in W.DOMAINS.values() for p in d.prefixes)
 _WORD = re.compile(r"[A-Za-z0-9_]+")
-
-
-def stable_hash(text: str) -> int:
-    return int(hashlib.md5(text.encode("utf-8")).hexdigest()[:8], 16)
 
 
 def tool_core(name: str) -> str:

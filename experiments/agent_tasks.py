@@ -24,6 +24,7 @@ No torch here (data workers import it).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import string
@@ -115,10 +116,9 @@ def task_arg_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def _stable(text: str) -> int:
-    import hashlib
-
-    return int(hashlib.md5(text.encode()).hexdigest()[:8], 16)
+def stable_hash(text: str) -> int:
+    """A hash that is the same in every process and run (Python's is salted)."""
+    return int(hashlib.md5(text.encode("utf-8")).hexdigest()[:8], 16)
 
 
 @lru_cache(maxsize=1)
@@ -127,14 +127,14 @@ def heldout_task_args() -> frozenset[str]:
     words also written in messages (reason, email, ...) stay in training:
     holding them out would mean rewriting the text around them."""
     return frozenset(n for n in task_arg_names() - set(EXTRA_ARGS)
-                     if _stable("task-arg:" + n) % 100 < HELDOUT_TASK_ARG_PERCENT)
+                     if stable_hash("task-arg:" + n) % 100 < HELDOUT_TASK_ARG_PERCENT)
 
 
 def _extra_kind(name: str) -> str:
     if name in EXTRA_ARGS:
         return EXTRA_ARGS[name]
     stem, _, tail = name.rpartition("_")
-    return EXTRA_STEM_KINDS[_stable(stem) % len(EXTRA_STEM_KINDS)] if tail in ("text", "value", "name") else "word"
+    return EXTRA_STEM_KINDS[stable_hash(stem) % len(EXTRA_STEM_KINDS)] if tail in ("text", "value", "name") else "word"
 
 
 # ---------------------------------------------------------------------------

@@ -663,7 +663,10 @@ def _train(args, out, ckpt_path, tok, tok_md5, split, source, dev_name, cuda, se
                      "workers": {"fresh_rows": source.n_fresh, "echoed_rows": source.n_echo,
                                  "errors": source.errors[-3:]}}
         _atomic_write(out / "train_log.json", (json.dumps(train_log, indent=1) + "\n").encode())
-        plot(out / "loss.png", state["history"], state["evals"])
+        try:
+            plot(out / "loss.png", state["history"], state["evals"])
+        except Exception as e:  # a missing plot must not cost the run (train_log.json has the numbers)
+            log(f"loss.png not written: {type(e).__name__}: {e}")
 
     def checkpoint() -> None:
         """The resumable state (the latest weights and the optimizer), outside --out."""
