@@ -4,8 +4,11 @@ checkpoint loads in our engine and in transformers with matching logits, the
 evaluation runs on it, and its data never shows a held-out tool or argument
 name to training."""
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -25,27 +28,53 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("agent") / "model"
-    # --max-shard-mb 0.6: the tiny model's 0.67 MB go to two shards, as a bigger model's 15 MB ones do.
-    cmd = [sys.executable, "-m", "experiments.train_agent_model", "--out", str(out), "--minutes", "0.35",
-           "--device", "cpu", "--shape", "tiny", "--seq-len", "1024", "--batch-tokens", "2048", "--workers", "1",
-           "--threads", "1", "--eval-turns", "2", "--eval-task-turns", "8", "--eval-every", "5", "--ckpt-every", "8",
-           "--log-every", "3", "--warmup-steps", "5", "--lr", "3e-3", "--max-shard-mb", "0.6", "--no-wandb"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+def gpu_run(tmp_path_factory) -> tuple[Path, Path]:
+    """The prepared GPU command (profiling/train_gpu.sh) on the CPU with a tiny
+    model: (its result folder, the resumable checkpoint)."""
+    base = tmp_path_factory.mktemp("agent")
+    out, work = base / "out", base / "work"
+    env = {**os.environ, "DEVICE": "cpu", "MINUTES": "0.35", "SHAPE": "tiny", "EVAL_LIMIT": "3", "EVAL_TIMEOUT": "60",
+           "EVAL_THREADS": "1", "WORK": str(work), "PYTHON": sys.executable}
+    # --max-shard-mb 0.6: the tiny model's 0.67 MB go to two shards, as a bigger model's 49 MB go to four.
+    args = ["--seq-len", "1024", "--batch-tokens", "2048", "--workers", "1", "--threads", "1", "--eval-turns", "2",
+            "--eval-task-turns", "8", "--eval-every", "5", "--ckpt-every", "8", "--log-every", "3",
+            "--warmup-steps", "5", "--lr", "3e-3", "--max-shard-mb", "0.6", "--no-wandb"]
+    proc = subprocess.run(["bash", "profiling/train_gpu.sh", str(out), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    assert "WARNING" not in proc.stdout
+    return out, Path(f"{work}.resume.pt")
+
+
+@pytest.fixture(scope="module")
+def trained(gpu_run, tmp_path_factory) -> Path:
+    """The GPU run's results unpacked into a model folder, as its header says."""
+    out, _ = gpu_run
+    model = tmp_path_factory.mktemp("unpacked") / "model"
+    model.mkdir()
+    for shard in out.glob("model*.safetensors"):
+        shutil.copy(shard, model)
+    with tarfile.open(out / "meta.tar.gz") as tar:
+        tar.extractall(model, filter="data")
+    return model
+
+
+def test_gpu_command_returns_few_small_files(gpu_run):
+    out, ckpt = gpu_run
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["meta.tar.gz", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    # The limit counts tensor bytes; each file's JSON header adds a few kB.
+    assert all((out / n).stat().st_size <= 0.6e6 + 16384 for n in names)
+    assert ckpt.is_file()
 
 
 def test_tiny_run_writes_a_flat_sharded_hf_checkpoint(trained):
     names = sorted(p.name for p in trained.iterdir())
     shards = [n for n in names if n.startswith("model-")]
-    assert len(shards) >= 2 and all(n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
-    assert sorted(set(names) - set(shards)) == ["config.json", "generation_config.json", "loss.png",
+    assert len(shards) == 2 and all(n.endswith(f"-of-{len(shards):05d}.safetensors") for n in shards)
+    assert sorted(set(names) - set(shards)) == ["config.json", "eval.json", "generation_config.json", "loss.png",
                                                "model.safetensors.index.json", "tokenizer.json",
                                                "tokenizer_config.json", "train_log.json"]
-    # The limit counts tensor bytes; each file's JSON header adds a few kB.
-    assert all((trained / n).stat().st_size <= 0.6e6 + 16384 for n in shards)
     assert (trained / "loss.png").read_bytes()[:4] == b"\x89PNG"
     log = json.loads((trained / "train_log.json").read_text())
     assert log["final"] and log["state"]["step"] > 0 and len(log["evals"]) >= 2
@@ -55,7 +84,7 @@ def test_tiny_run_writes_a_flat_sharded_hf_checkpoint(trained):
     assert best["score"] == max(scores) and best["weights"] == shards
     assert best["step"] == log["evals"][scores.index(max(scores))]["step"]
     assert json.loads((trained / "config.json").read_text())["model_type"] == "llama"
-    assert (trained.with_name(trained.name + ".resume.pt")).is_file()
+    assert json.loads((trained / "eval.json").read_text())["turns"] > 0
 
 
 def test_engine_transformers_and_trainer_logits_match(trained):
