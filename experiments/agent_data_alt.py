@@ -51,7 +51,8 @@ SERVICES = {
         "findBook": ("Looks a book up by its ISBN.", "look up the book", [("isbn", "isbn")]),
     }, {"dueDate": "2025-08-30", "copiesAvailable": "3", "shelf": "QA76.9"}),
     "weather": ({
-        "getForecast": ("Weather forecast for a city.", "get the forecast", [("cityName", "city"), ("forecastDays", "days")]),
+        "getForecast": ("Weather forecast for a city.", "get the forecast",
+                        [("cityName", "city"), ("forecastDays", "days")]),
         "getAirQuality": ("Air quality index at a postal code.", "check the air quality", [("postalCode", "zip")]),
     }, {"forecast": "light rain", "high": "18C", "aqi": "42"}),
 }

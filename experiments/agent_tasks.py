@@ -307,7 +307,8 @@ def request_text(r: random.Random, verb: str, entity: str, id_value: str, extras
                         f"the same {entity}", f"it (the {entity})"])
         core = f"{polite}{action} {ref}"
     elif placement == "inline":
-        core = f"{polite}{action} {entity} {id_value}" if r.random() < 0.6 else f"{polite}{action} the {entity} {id_value}"
+        the = "" if r.random() < 0.6 else "the "
+        core = f"{polite}{action} {the}{entity} {id_value}"
     elif placement == "paren":
         core = (f"{polite}{action} a {entity} by its id for {id_value} please ({id_name}: {id_value})"
                 if r.random() < 0.4 else f"{polite}{action} the {entity} ({id_name}={id_value})")
@@ -354,7 +355,8 @@ def make_tool(r: random.Random, verb: str, entity: str, arg_ok, name_style: int 
     """A tool; arg_ok(name) says which argument and tool names may be used."""
     candidates = [entity + s for s in ID_SUFFIXES if arg_ok(entity + s)]
     id_name = r.choice(candidates) if candidates else entity + "_id"
-    extra_pool = [n for n in task_arg_names() if not n.startswith(tuple(ENTITIES)) and arg_ok(n)]
+    # sorted: a set's order changes with the process's string hash seed, and the draws must not
+    extra_pool = [n for n in sorted(task_arg_names()) if not n.startswith(tuple(ENTITIES)) and arg_ok(n)]
     extras = {n: _extra_kind(n) for n in r.sample(extra_pool, r.choice([0, 0, 1, 1, 2, 3]))} if verb != "get" else {}
     styles = [f"{verb}_{entity}", f"{entity}_{verb}", f"{verb}{entity.title()}"]
     if name_style or r.random() < 0.3:
@@ -492,7 +494,8 @@ def answer_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episode
     if r.random() < 0.25:
         msgs += _filler_turns(r, r.randint(1, 3), entity, arg_ok)
     q = r.choice([f"What is the {words} of {entity} {id_value}?", f"{r.choice(OPENERS)}what's the {words} on {entity} "
-                  f"{id_value}?", f"Can you tell me the {words} for {entity} {id_value}", f"{entity} {id_value} {words}?",
+                  f"{id_value}?", f"Can you tell me the {words} for {entity} {id_value}",
+                  f"{entity} {id_value} {words}?",
                   f"I need the {words} of the {entity} {id_value}, please."])
     msgs.append({"role": "user", "content": q})
     call = _assistant_call(getter.name, {getter.id_name: id_value}, r)

@@ -293,7 +293,8 @@ def main(argv=None) -> int:
                    help="answer each turn once, with speculation (halves the time; no plain-vs-speculative figures)")
     p.add_argument("--reply-slack", type=int, default=None,
                    help="cap each reply at the reference's length plus this many tokens")
-    p.add_argument("--time-limit", type=float, default=None, help="stop starting turns after this many seconds of turns")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="stop starting turns after this many seconds of turns")
     p.add_argument("--out", help="write the JSON here (default DIR/eval.json)")
     args = p.parse_args(argv)
     if args.threads:

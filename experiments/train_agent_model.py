@@ -701,7 +701,8 @@ def _train(args, out, ckpt_path, tok, tok_md5, split, source, dev_name, cuda, se
         a = res.get("all", {})
         log(f"eval step {state['step']}: held-out calls right tool {a.get('right_tool', 0):.0%}, exact args "
             f"{a.get('exact_args', 0):.0%}, reply token acc {a.get('token_acc', 0):.1%} (workflow "
-            f"{res.get('workflow', {}).get('exact_args', 0):.0%}, task {res.get('task calls', {}).get('exact_args', 0):.0%}"
+            f"{res.get('workflow', {}).get('exact_args', 0):.0%}, "
+            f"task {res.get('task calls', {}).get('exact_args', 0):.0%}"
             f", held-out args {res.get('held-out args', {}).get('exact_args', 0):.0%} exact; answers exact "
             f"{res.get('answers', {}).get('exact_args', 0):.0%}) [{time.monotonic() - t:.1f}s]")
         if wandb_run is not None:

@@ -216,3 +216,15 @@ def test_alt_generator_shares_no_tool_or_argument_name_with_training():
     names = {t["function"]["name"] for e in alt for t in e.tools}
     args = {a for e in alt for t in e.tools for a in t["function"]["parameters"]["properties"]}
     assert names and args and not (names | args) & train_names
+
+
+def test_eval_turns_are_the_same_in_every_process():
+    """The held-out sets are a fixed benchmark: nothing in them may depend on
+    the process (set order follows the string hash seed)."""
+    code = ("import hashlib, json; from experiments import agent_data as D, eval_agent_model as E; "
+            "from model.tokenizer import Tokenizer; r = D.Renderer(Tokenizer.from_dir('models/agent-8m')); "
+            "ts = E.eval_set(r, D.default_split(), 4096, 4, E.SETS, 256); "
+            "print(hashlib.md5(json.dumps([[t.messages, t.tools, t.reply_text] for t in ts]).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
