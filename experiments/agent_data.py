@@ -55,6 +55,15 @@ random multi-token keys, and ``k="v"`` lists rewritten as a JSON call. Their
 loss is only on what can be predicted (the repeat, the looked-up value, the
 JSON).
 
+Task episodes
+-------------
+Half of the example refills (TASK_RATE) are instead a batch of short
+episodes from experiments/agent_tasks.py (plainly worded calls, final
+answers, no-tool and no-tools turns, long-context copies, hand-offs), with
+their own held-out argument names (added to the split); task_eval_turns
+draws their held-out turns, episode_turn turns any episode (also those of
+experiments/agent_data_alt.py) into an EvalTurn.
+
 This module imports no torch, so data workers start fast.
 """
 from __future__ import annotations
