@@ -18,6 +18,7 @@
 # still leaves the best export written. The eval is capped at EVAL_LIMIT s of
 # turns and killed at EVAL_TIMEOUT s. About 9 min in all.
 # Environment overrides: MINUTES SHAPE DEVICE EVAL_SETS EVAL_LIMIT EVAL_TIMEOUT EVAL_THREADS PYTHON CKPT WORK.
+# tests/test_agent_model.py runs this very script on the CPU with a tiny model (DEVICE=cpu SHAPE=tiny).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash profiling/train_gpu.sh OUT_DIR [train args...]}
