@@ -55,12 +55,20 @@ random multi-token keys, and ``k="v"`` lists rewritten as a JSON call. Their
 loss is only on what can be predicted (the repeat, the looked-up value, the
 JSON).
 
+Task episodes
+-------------
+Half of the example refills (TASK_RATE) are instead a batch of short
+episodes from experiments/agent_tasks.py (plainly worded calls, final
+answers, no-tool and no-tools turns, long-context copies, hand-offs), with
+their own held-out argument names (added to the split); task_eval_turns
+draws their held-out turns, episode_turn turns any episode (also those of
+experiments/agent_data_alt.py) into an EvalTurn.
+
 This module imports no torch, so data workers start fast.
 """
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 import re
@@ -70,6 +78,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import agent_tasks as T
+from experiments.agent_tasks import stable_hash
 from experiments import workloads as W
 from model.default_tokenizer import CHAT_TEMPLATE
 from model.tokenizer import Tokenizer, render_chat_template
@@ -88,13 +98,11 @@ UNDIRECTED_RATE = 0.25
 DESCRIBED_RATE = 0.5  # of directed turns
 FULL_TOOLSET_RATE = 0.35
 COMPACT_RATE = 0.15  # windows whose system prompt keeps only the intro and the role
+TASK_RATE = 0.5  # of example refills: a batch of task episodes (experiments/agent_tasks.py) instead of a workflow
+TASK_BATCH = 8
 
 PREFIXES = frozenset(p for d in W.DOMAINS.values() for p in d.prefixes)
 _WORD = re.compile(r"[A-Za-z0-9_]+")
-
-
-def stable_hash(text: str) -> int:
-    return int(hashlib.md5(text.encode("utf-8")).hexdigest()[:8], 16)
 
 
 def tool_core(name: str) -> str:
@@ -195,6 +203,7 @@ def default_split() -> Split:
                   if not (names & free) and stable_hash("tool:" + c) % 100 < HELDOUT_TOOL_PERCENT}
     held_tools = {n for c in held_cores for n in cores[c]}
     held_args = {a for a in _all_param_names() - free if stable_hash("arg:" + a) % 100 < HELDOUT_ARG_PERCENT}
+    held_args |= T.heldout_task_args()
     return Split(frozenset(held_tools), frozenset(held_cores), frozenset(held_args))
 
 
@@ -607,6 +616,11 @@ class RowMaker:
             if barren >= 50:
                 raise RuntimeError(f"no training example fits in {self.seq_len} tokens")
             barren += 1
+            if self.rng.random() < TASK_RATE:
+                ex = self._task_examples()
+                self.pending += ex
+                barren = 0 if ex else barren
+                continue
             wf = random_workflow(self.rng)
             self.renderer.reset_cache()
             for conv in wf.conversations:
@@ -618,6 +632,21 @@ class RowMaker:
                 barren = 0 if ex else barren
                 self.stats["examples"] += len(ex)
                 self.stats["conversations"] += 1
+
+    def _task_examples(self) -> list[tuple[list[int], list[int]]]:
+        out = []
+        for _ in range(TASK_BATCH):
+            ep = T.training_episode(self.rng, self.allowed)
+            ex = task_example(ep, self.renderer, self.seq_len, self.split, self.stats)
+            if ex is not None:
+                out.append(ex)
+        self.stats["examples"] += len(out)
+        self.stats["episodes"] = self.stats.get("episodes", 0) + TASK_BATCH
+        return out
+
+    def allowed(self, name: str) -> bool:
+        """Whether a task episode may use this tool or argument name in training."""
+        return not (self.split.heldout_arg(name) or self.split.heldout_tool(name) or name in T.heldout_task_args())
 
     def synthetic_row(self) -> tuple[np.ndarray, np.ndarray]:
         ids, codes = [], []
@@ -669,16 +698,20 @@ class RowMaker:
 class EvalTurn:
     messages: list[dict]  # system, window, directive
     tools: list[dict]
-    reference: list[dict]  # [{"name", "arguments": dict}]
+    reference: list[dict]  # [{"name", "arguments": dict}]; [] when the reference is a text answer
     reply_text: str  # the reference reply as the template renders it (without <|im_end|>)
-    style: str  # explicit | described
+    style: str  # explicit | described (workflow turns); a value placement or "none" (task episodes)
     heldout_args: int  # argument names of the calls that are held out
     seed: int
     agent: str
+    kind: str = "call"  # call | answer | no_tool | plain | handoff (experiments/agent_tasks.py)
+    answer_values: list[str] = field(default_factory=list)  # what a text answer must quote
+    source: str = "workflow"  # workflow | task | alt (the generator)
 
     def as_json(self) -> dict:
         return {"style": self.style, "seed": self.seed, "agent": self.agent, "reference": self.reference,
-                "heldout_args": self.heldout_args}
+                "heldout_args": self.heldout_args, "kind": self.kind, "answer_values": self.answer_values,
+                "source": self.source}
 
 
 def eval_turns(n: int, renderer: Renderer, seq_len: int, split: Split | None = None, max_reply: int = 256,
@@ -733,3 +766,54 @@ def load_split(model_dir: str | Path | None) -> Split:
             if "split" in data:
                 return Split.from_json(data["split"])
     return default_split()
+
+
+# ---------------------------------------------------------------------------
+# Task episodes (experiments/agent_tasks.py) as training examples and eval turns
+
+
+def task_example(ep: T.Episode, renderer: Renderer, seq_len: int, split: Split | None = None,
+                 stats: dict | None = None) -> tuple[list[int], list[int]] | None:
+    """Token ids and loss codes of a whole episode (every assistant message
+    trained), or None when it is too long or shows a held-out name."""
+    ids, codes = renderer.tokens(ep.messages, ep.tools or None)
+    if len(ids) > seq_len + 1:
+        return None
+    if split is not None and split.leaks(renderer.tok.decode(ids)):
+        if stats is not None:
+            stats["guard_dropped"] = stats.get("guard_dropped", 0) + 1
+        return None
+    return ids, codes
+
+
+def episode_turn(ep: T.Episode, renderer: Renderer, seed: int, source: str) -> EvalTurn:
+    """The scored (last) assistant message of an episode as an eval turn."""
+    prompt, tools = ep.prompt, ep.tools or None
+    reply = renderer.render(ep.messages, tools)[len(renderer.render(prompt, tools, True)):]
+    reply = reply.removesuffix("\n").removesuffix("<|im_end|>")
+    agent = prompt[0]["content"][:40] if prompt and prompt[0]["role"] == "system" else ""
+    return EvalTurn(prompt, ep.tools, ep.reference(), reply, ep.placement, ep.heldout_args, seed, agent,
+                    ep.kind, list(ep.answer_values), source)
+
+
+TASK_EVAL_SEED = EVAL_SEED_BASE + 77_777
+TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16}
+
+
+def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None,
+                    counts: dict[str, int] | None = None, max_reply: int = 256) -> list[EvalTurn]:
+    """Held-out task turns (seeds no training run draws): calls half with
+    held-out argument names, answers, no-tool, plain-text and hand-off turns."""
+    split = split if split is not None else default_split()
+    heldout = frozenset(split.args | T.heldout_task_args())
+
+    def train_ok(name: str) -> bool:
+        return not (name in heldout or split.heldout_tool(name))
+
+    eps = T.eval_episodes(TASK_EVAL_SEED, counts or TASK_EVAL_COUNTS, train_ok, heldout)
+    out = []
+    for k, ep in enumerate(eps):
+        if len(renderer.tok.encode(renderer.render(ep.prompt, ep.tools or None, True))) + max_reply > seq_len:
+            continue
+        out.append(episode_turn(ep, renderer, TASK_EVAL_SEED + k, "task"))
+    return out

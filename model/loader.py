@@ -100,10 +100,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     return model
 
 
-def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
-    """Write model.safetensors and config.json in Hugging Face layout."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names and layout ([out,
+    in], q/k/v and gate/up split), as new CPU tensors (in dtype if given)."""
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     sizes = {
@@ -114,9 +113,17 @@ def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
     for ours, names in _hf_sources(cfg).items():
         if ours == "lm_head" and cfg.tie_word_embeddings:
             continue
-        value = params[ours].data.t() if is_linear_weight(ours) else params[ours].data
+        value = params[ours].detach()
+        value = value.t() if is_linear_weight(ours) else value
         parts = value.split(sizes["qkv" if "qkv" in ours else "gate_up"], dim=0) if len(names) > 1 else [value]
         for name, part in zip(names, parts):
-            out[name] = part.contiguous().clone()
-    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+            out[name] = part.to("cpu", dtype or part.dtype).contiguous().clone()
+    return out
+
+
+def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
+    """Write model.safetensors and config.json in Hugging Face layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(hf_tensors(model), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))

@@ -1,50 +1,68 @@
 #!/usr/bin/env bash
-# One GPU training run of the project's agent model, then a quick held-out
-# eval through the engine (on the CPU), all files flat in OUT_DIR:
-#   config.json model.safetensors tokenizer.json tokenizer_config.json
-#   generation_config.json train_log.json loss.png eval.json   (8 files, < 16 MB each)
+# One GPU training run of the project's agent model, a quick held-out eval
+# through the engine (on the CPU), and the results packed to come back from
+# the GPU machine (at most 8 files of at most 16 MB each):
+#   OUT_DIR/model-0000k-of-0000n.safetensors   the bf16 weight shards (15 MB each at most)
+#   OUT_DIR/meta.tar.gz                         config.json generation_config.json
+#                                               model.safetensors.index.json tokenizer.json
+#                                               tokenizer_config.json train_log.json loss.png eval.json
+# Unpack into a model folder that our loader and transformers read:
+#   mkdir -p M && cp OUT_DIR/model*.safetensors M/ && tar xzf OUT_DIR/meta.tar.gz -C M
 #
 #   bash profiling/train_gpu.sh OUT_DIR [extra train_agent_model args]
 #
-# Budget: training 6.5 min of wall time counted from its process start (the
-# loop stops itself before that, then evaluates and saves); `timeout` sends
-# SIGINT 45 s after that (the script then saves at the next step) and SIGKILL
-# 20 s later, which still leaves the export written every minute. The eval is
-# capped at EVAL_LIMIT s of turns and killed at EVAL_TIMEOUT s. About 8 min in all.
-# Environment overrides: MINUTES DEVICE EVAL_TURNS EVAL_LIMIT EVAL_TIMEOUT EVAL_THREADS PYTHON CKPT.
+# Budget (one command of at most 10 minutes on an H200): training MINUTES of
+# wall time counted from its process start (the loop stops itself before
+# that, evaluates, keeps the best export); `timeout` sends SIGINT 30 s after
+# that (the script then stops at the next step) and SIGKILL 20 s later, which
+# still leaves the best export written. The eval is capped at EVAL_LIMIT s of
+# turns and killed at EVAL_TIMEOUT s. About 9 min in all.
+# Environment overrides: MINUTES SHAPE DEVICE EVAL_SETS EVAL_LIMIT EVAL_TIMEOUT EVAL_THREADS PYTHON CKPT WORK.
+# tests/test_agent_model.py runs this very script on the CPU with a tiny model (DEVICE=cpu SHAPE=tiny).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash profiling/train_gpu.sh OUT_DIR [train args...]}
 shift
 MINUTES=${MINUTES:-6.5}
+SHAPE=${SHAPE:-agent-25m}
 DEVICE=${DEVICE:-cuda}
-EVAL_TURNS=${EVAL_TURNS:-24}
-EVAL_LIMIT=${EVAL_LIMIT:-45}
-EVAL_TIMEOUT=${EVAL_TIMEOUT:-80}
-EVAL_THREADS=${EVAL_THREADS:-4}
+EVAL_SETS=${EVAL_SETS:-task,alt}
+EVAL_LIMIT=${EVAL_LIMIT:-60}
+EVAL_TIMEOUT=${EVAL_TIMEOUT:-90}
+EVAL_THREADS=${EVAL_THREADS:-8}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
-CKPT=${CKPT:-${TMPDIR:-/tmp}/agentkv-train-$$.resume.pt}
+WORK=${WORK:-${TMPDIR:-/tmp}/agentkv-train-$$}
+CKPT=${CKPT:-$WORK.resume.pt}
+MODEL=$WORK/model
 
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$MODEL"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline WANDB_SILENT=true
 export WANDB_DIR=${WANDB_DIR:-${TMPDIR:-/tmp}/agentkv-wandb}
 unset TRITON_INTERPRET AGENTKV_KERNELS
-LIMIT=$("$PY" -c "print(int(float('$MINUTES') * 60 + 45))")
+LIMIT=$("$PY" -c "print(int(float('$MINUTES') * 60 + 30))")
 
-echo "== train: $MINUTES min on $DEVICE -> $OUT ($("$PY" --version 2>&1); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-timeout -s INT -k 20 "$LIMIT" "$PY" -m experiments.train_agent_model --out "$OUT" --minutes "$MINUTES" \
-    --device "$DEVICE" --ckpt "$CKPT" "$@"
+echo "== train: $SHAPE, $MINUTES min on $DEVICE -> $MODEL ($("$PY" --version 2>&1); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+timeout -s INT -k 20 "$LIMIT" "$PY" -m experiments.train_agent_model --out "$MODEL" --minutes "$MINUTES" \
+    --shape "$SHAPE" --device "$DEVICE" --ckpt "$CKPT" "$@"
 rc=$?
 echo "== train exit status $rc"
-if [ ! -f "$OUT/model.safetensors" ]; then
+if ! ls "$MODEL"/model*.safetensors >/dev/null 2>&1; then
     echo "== no model was written"
     exit 1
 fi
 
-echo "== eval: $EVAL_TURNS held-out turns through the engine (CPU), at most ${EVAL_LIMIT}s"
-timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m experiments.eval_agent_model --model "$OUT" --turns "$EVAL_TURNS" \
-    --threads "$EVAL_THREADS" --time-limit "$EVAL_LIMIT" --out "$OUT/eval.json"
-erc=$?
-echo "== eval exit status $erc"
+echo "== eval: sets $EVAL_SETS through the engine (CPU), at most ${EVAL_LIMIT}s of turns"
+timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m experiments.eval_agent_model --model "$MODEL" --sets "$EVAL_SETS" \
+    --no-compare --reply-slack 24 --threads "$EVAL_THREADS" --time-limit "$EVAL_LIMIT" --out "$MODEL/eval.json"
+echo "== eval exit status $?"
+
+cp "$MODEL"/model*.safetensors "$OUT"/
+meta=$(cd "$MODEL" && ls | grep -v '^model.*\.safetensors$')
+tar czf "$OUT/meta.tar.gz" -C "$MODEL" $meta
 ls -la "$OUT"
+n=$(ls "$OUT" | wc -l)
+big=$(find "$OUT" -type f -size +16000k | wc -l)
+if [ "$n" -gt 8 ] || [ "$big" -gt 0 ]; then
+    echo "== WARNING: $n files, $big over 16 MB: not all of it comes back"
+fi
 exit $rc
