@@ -30,6 +30,7 @@ from model.default import default_model_dir
 from model.llama import Transformer
 from model.loader import load_model, parse_dtype
 from model.tokenizer import Tokenizer
+from spec.drafters import Drafters
 
 __all__ = ["Engine", "ChatResult", "common_prefix_len"]
 
@@ -70,6 +71,7 @@ class Engine:
         continuation: str = "native",
         preposition: bool = True,
         kv_resume: bool = True,
+        drafter: str = "suffix",
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -121,8 +123,14 @@ class Engine:
         self.limits = limits or Limits()
         decode = tokenizer.decode if tokenizer is not None else None
         self.sequences = Sequences(self.pool, policy, self.limits.max_sessions)
+        # Speculation's draft source (spec.drafters): "suffix" trees over the
+        # session and its namespace's recent outputs, or "ngram" prompt lookup.
+        try:
+            drafters = Drafters(drafter)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
-                                   self.eos_token_ids, decode)
+                                   self.eos_token_ids, decode, drafters)
         # Guards the pool, the sequences and the model (the scheduler's lock).
         self.lock = self.scheduler.lock
         self._grammars: GrammarCache | None = None

@@ -41,6 +41,7 @@ from engine.stats import SchedulerCounters, TurnStats
 from engine.stops import first_stop
 from model.sampler import make_generator
 from profiling.nvtx import nvtx_range
+from spec.drafters import Drafters
 
 log = logging.getLogger("agentkv.scheduler")
 
@@ -66,6 +67,7 @@ class Scheduler:
         max_context: int,
         eos_token_ids: Iterable[int],
         decode: Callable[[list[int]], str] | None = None,
+        drafters: Drafters | None = None,
     ):
         self.runner, self.pool, self.policy, self.limits = runner, pool, policy, limits
         self.sequences = sequences
@@ -75,6 +77,7 @@ class Scheduler:
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode  # for stop strings
+        self.drafters = drafters or Drafters()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats: deque[TurnStats] = deque(maxlen=limits.max_stats)
@@ -422,7 +425,7 @@ class Scheduler:
         room = min(req.params.max_tokens - len(req.output), self.max_context - len(seq.tokens)) - 1
         if not req.speculative or room < 1 or not req.output:
             return []
-        drafter = seq.draft_index()
+        drafter = seq.draft_index(self.drafters.new)
         # What the grammar forces next comes first; prompt lookup continues after it.
         forced = req.grammar.forced()[:room] if req.grammar is not None else []
         req.forced = len(forced)
@@ -489,7 +492,7 @@ class Scheduler:
     def _advance(self, req: Request, draft: list[int], accepted: int, token: int) -> None:
         seq = req.seq
         if draft:
-            seq.draft_index().record(len(draft), accepted)
+            seq.draft_index(self.drafters.new).record(len(draft), accepted)
             seq.turn.drafted_tokens += len(draft)
             seq.turn.accepted_tokens += accepted
             seq.turn.verify_steps += 1
@@ -515,6 +518,7 @@ class Scheduler:
             req.on_tokens(new)
         if req.finish_reason is not None:
             seq.finish_reason = req.finish_reason
+            self.drafters.finished(seq.namespace, req.output)
             self._file_turn(req)
             self._finish(req)
 
