@@ -126,11 +126,11 @@ class Engine:
         # Speculation's draft source (spec.drafters): "suffix" trees over the
         # session and its namespace's recent outputs, or "ngram" prompt lookup.
         try:
-            drafters = Drafters(drafter)
+            self.drafters = Drafters(drafter)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
-                                   self.eos_token_ids, decode, drafters)
+                                   self.eos_token_ids, decode, self.drafters)
         # Guards the pool, the sequences and the model (the scheduler's lock).
         self.lock = self.scheduler.lock
         self._grammars: GrammarCache | None = None
