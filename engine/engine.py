@@ -72,6 +72,8 @@ class Engine:
         preposition: bool = True,
         kv_resume: bool = True,
         drafter: str = "suffix",
+        forced_drafts: bool = True,
+        schema_drafts: bool = True,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -124,9 +126,11 @@ class Engine:
         decode = tokenizer.decode if tokenizer is not None else None
         self.sequences = Sequences(self.pool, policy, self.limits.max_sessions)
         # Speculation's draft source (spec.drafters): "suffix" trees over the
-        # session and its namespace's recent outputs, or "ngram" prompt lookup.
+        # session and its namespace's recent outputs, or "ngram" prompt lookup;
+        # forced_drafts: what a grammar forces next is drafted first;
+        # schema_drafts: inside a call, the tool's schema names are drafts too.
         try:
-            self.drafters = Drafters(drafter)
+            self.drafters = Drafters(drafter, forced_drafts, schema_drafts)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,

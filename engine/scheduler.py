@@ -42,6 +42,7 @@ from engine.stops import first_stop
 from model.sampler import make_generator
 from profiling.nvtx import nvtx_range
 from spec.drafters import Drafters
+from spec.schema_phrases import MAX_PHRASE_OVERLAP, continuations
 
 log = logging.getLogger("agentkv.scheduler")
 
@@ -427,7 +428,7 @@ class Scheduler:
             return []
         drafter = seq.draft_index(self.drafters.new)
         # What the grammar forces next comes first; prompt lookup continues after it.
-        forced = req.grammar.forced()[:room] if req.grammar is not None else []
+        forced = req.grammar.forced()[:room] if req.grammar is not None and self.drafters.forced else []
         req.forced = len(forced)
         k = min(drafter.draft_len, room - len(forced))
         if forced and k > 0:
@@ -437,8 +438,19 @@ class Scheduler:
         else:
             more = drafter.propose(k) if k > 0 else []
         draft = forced + more
+        if req.grammar is None:
+            return draft
         # A draft token the grammar forbids could never be accepted, nor anything after it.
-        return req.grammar.clip(draft) if req.grammar is not None and draft else draft
+        draft = req.grammar.clip(draft) if draft else draft
+        phrases = req.grammar.grammar.phrases
+        if k > 0 and phrases and self.drafters.schema and len(draft) <= len(forced):
+            # Nothing allowed past the forced tokens: the rest of a schema name
+            # the text has begun, the one the grammar lets through furthest.
+            for rest in continuations(phrases, seq.tokens[-MAX_PHRASE_OVERLAP:] + forced, k):
+                allowed = req.grammar.clip(forced + rest)
+                if len(allowed) > len(draft):
+                    draft = allowed
+        return draft
 
     # -- results -------------------------------------------------------
 

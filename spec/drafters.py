@@ -14,10 +14,16 @@ KINDS = ("ngram", "suffix")
 
 
 class Drafters:
-    def __init__(self, kind: str = "suffix", max_output_tokens: int = 1 << 16, max_namespaces: int = 64):
+    """forced: what a request's grammar forces next is drafted ahead of the
+    drafter's own proposal; schema: where the drafter has nothing the grammar
+    allows, the called tool's schema names are tried (spec.schema_phrases).
+    Either is off only to measure what it is worth."""
+
+    def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = True,
+                 max_output_tokens: int = 1 << 16, max_namespaces: int = 64):
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.forced, self.schema = kind, forced, schema
         self.outputs = OutputTrees(max_output_tokens, max_namespaces) if kind == "suffix" else None
 
     def new(self, namespace: str) -> AdaptiveLength:

@@ -17,9 +17,11 @@ from collections import OrderedDict
 from spec.adaptive import AdaptiveLength
 from spec.suffix_tree import Draft, SuffixTree
 
-# SuffixDecoding's defaults (vLLM's `method: suffix`): a tree depth of 24, a
-# draft no longer than its match, no token below an estimated 0.1.
-MAX_DEPTH, MAX_FACTOR, MIN_PROB = 24, 1.0, 0.1
+# SuffixDecoding's tree depth (vLLM's `method: suffix` defaults to 24, a draft
+# no longer than its match and no token below an estimated 0.1); on the agent
+# model's tool calls drafts up to twice the match, up to 16 tokens, and no
+# token below 0.2 accept more per forward (docs/bench_spec.md).
+MAX_DEPTH, MAX_FACTOR, MIN_PROB, MAX_K = 24, 2.0, 0.2, 16
 
 
 class OutputTree:
@@ -82,7 +84,7 @@ class SuffixDrafter(AdaptiveLength):
     """Per-session drafter with NGramDrafter's interface (extend, truncate,
     propose, draft_len, record)."""
 
-    def __init__(self, outputs: OutputTree | None = None, max_depth: int = MAX_DEPTH, max_k: int = 8,
+    def __init__(self, outputs: OutputTree | None = None, max_depth: int = MAX_DEPTH, max_k: int = MAX_K,
                  max_factor: float = MAX_FACTOR, min_prob: float = MIN_PROB, probe_every: int = 16):
         if max_factor <= 0 or not 0 < min_prob <= 1:
             raise ValueError(f"need max_factor > 0 and 0 < min_prob <= 1, got {max_factor}, {min_prob}")

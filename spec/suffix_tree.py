@@ -11,12 +11,15 @@ occurrence ends one token earlier). Nothing here is path-compressed: the
 depth bound keeps a node count of at most max_depth per token held.
 
 `speculate` follows SuffixDecoding: for each match length m, the node of the
-pattern's last m tokens is found and a draft walks from it to the most
-frequent child while the product of count ratios (the draft's estimated
-probability of being right so far) stays above min_prob, for at most
-min(max_tokens, m * max_factor) tokens; the draft whose probabilities sum
-highest wins, the longer match on a tie. Ties between children go to the
-one seen most recently.
+pattern's last m tokens is found and a draft walks down from it while the
+product of count ratios (the draft's estimated probability of being right
+so far) stays at least min_prob, for at most min(max_tokens, m * max_factor)
+tokens; the draft whose probabilities sum highest (the expected number of
+tokens accepted) wins, the longer match on a tie. Where SuffixDecoding walks
+to the most frequent child, this walks to the child seen most recently
+(prompt lookup's choice): on the agent model's tool calls, which copy the
+latest id or path rather than the commonest, that accepts more (measured in
+docs/bench_spec.md); the frequencies still estimate, score and stop the draft.
 """
 from __future__ import annotations
 
@@ -179,7 +182,7 @@ class SuffixTree:
     def _walk(node: _Node, limit: int, min_prob: float, discount: int) -> Draft:
         draft, prob = Draft(), 1.0
         while len(draft.tokens) < limit and node.children:
-            child = max(node.children.values(), key=lambda c: (c.count, c.stamp))
+            child = max(node.children.values(), key=lambda c: c.stamp)
             p = prob * child.count / (node.count - discount)
             discount = 0
             if p < min_prob:

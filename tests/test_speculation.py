@@ -11,6 +11,7 @@ from engine.structured import request_grammar
 from model.default import random_init
 from model.sampler import SamplingParams, probs_from_logits
 from spec.drafters import KINDS
+from spec.schema_phrases import continuations, schema_phrases
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
@@ -59,6 +60,13 @@ class StubDrafter:
 
     def record(self, drafted: int, accepted: int) -> None:
         pass
+
+
+class NoDrafter(StubDrafter):
+    """Asks for drafts and never has one."""
+
+    def propose(self, k: int) -> list[int]:
+        return []
 
 
 class FixedDrafter(StubDrafter):
@@ -334,3 +342,48 @@ def test_grammar_forced_drafts_end_exactly_at_a_stop_at_max_tokens_and_at_the_gr
         stop = plain[j]
         out, reason, _, ok = run(True, max_tokens=120, stop_token_ids=[stop])
         assert out == plain[: plain.index(stop) + 1] and reason == "stop" and ok
+
+
+MODES_TOOL = [{"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "required": ["mode"],
+    "properties": {"mode": {"enum": ["careful", "reckless", "balanced"]}, "dry_run": {"type": "boolean"},
+                   "note": {"type": "string", "maxLength": 8}}}}}]
+
+
+def test_schema_phrases_and_their_continuations(default_model):
+    encode = default_model[1].encode
+    phrases = schema_phrases(MODES_TOOL, encode)
+    assert tuple(encode(' "dry_run":')) in phrases and tuple(encode(' "reckless')) in phrases
+    assert tuple(encode(' "set_mode",')) in phrases
+    key = encode(' "dry_run":')
+    assert key[1:] in continuations(phrases, [5, 6] + key[:1], 8)
+    assert continuations(phrases, [5, 6] + key[:1], 1) == [[t] for t in dict.fromkeys(
+        p[1] for p in phrases if p[:1] == tuple(key[:1]))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_schema_drafts_keep_greedy_output_identical(kind):
+    """With a drafter that never finds anything, what is drafted past the
+    grammar's forced tokens is the schema's names. The trained agent model:
+    it spells JSON the way its tokenizer does, as the phrases are."""
+    messages = [{"role": "user", "content": "Set the mode to reckless, as a dry run, with the note 'try'."}]
+    extra = {}
+    for schema in (False, True):
+        engine = Engine.from_pretrained("models/agent-8m", num_pages=256, drafter=kind, schema_drafts=schema)
+        grammar = request_grammar(engine, MODES_TOOL, "required", parallel_tool_calls=False)
+        prompt = engine.tokenizer.apply_chat_template(messages, tools=MODES_TOOL)
+        with engine.session() as s:
+            s.append(prompt)
+            plain = s.generate(max_tokens=80, grammar=grammar, speculative=False)
+        with engine.session() as s:
+            s.append(prompt)
+            s.use_drafter(NoDrafter())
+            assert s.generate(max_tokens=80, grammar=grammar) == plain
+            check_consistent_pages(s, engine.pool.page_size)
+        turn = engine.stats[-1]
+        extra[schema] = turn.drafted_tokens - turn.forced_tokens
+    assert extra[False] == 0 and extra[True] > 0
+
+
+def check_consistent_pages(s, page_size: int) -> None:
+    assert s.table.length == len(s) - 1 and len(s.table.pages) == -(-s.table.length // page_size)

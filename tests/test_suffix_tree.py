@@ -16,7 +16,8 @@ VOCAB = 3
 class Naive:
     """Counts by rescanning every sequence; recency by replaying the tree's
     rule (a substring's stamp is the clock of its latest append, and it is
-    forgotten when its last occurrence goes)."""
+    forgotten when its last occurrence goes). Drafts walk to the child
+    stamped last, with count-ratio probabilities."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -61,7 +62,7 @@ class Naive:
                 kids = {t: c for t, c in kids.items() if c}
                 if not kids:
                     break
-                t = max(kids, key=lambda t: (kids[t], self.stamps[cur + (t,)]))
+                t = max(kids, key=lambda t: self.stamps[cur + (t,)])
                 p = prob * kids[t] / (self.count(cur) - disc)
                 disc = 0
                 if p < min_prob:
@@ -133,16 +134,16 @@ def test_truncate_restores_the_tree_exactly():
     assert tree.num_nodes == tree.num_tokens == len(tree) == 0
 
 
-def test_drafts_by_frequency_then_recency_and_bounded_by_the_match():
+def test_drafts_the_newest_continuation_scored_by_frequency_and_bounded_by_the_match():
     tree = SuffixTree(8)
-    tree.extend(0, [5, 1, 2, 3, 5, 1, 2, 3, 5, 1, 9])
-    # After 5 1: "2 3" twice, "9" once; at most one token per matched token.
+    tree.extend(0, [5, 1, 2, 3, 5, 1, 2, 3, 5, 1, 9, 4])
+    # After 5 1: "2 3" twice, then "9 4" once, the newest: estimated 1/3.
     d = tree.speculate([7, 5, 1], 8)
-    assert d.tokens == [2, 3] and d.match_len == 2
-    assert d.probs == pytest.approx([2 / 3, 2 / 3])
-    assert tree.speculate([1], 8).tokens == [2]  # a match of 1 drafts 1
-    tree.extend(1, [4, 6, 4, 7])
-    assert tree.speculate([4], 1).tokens == [7]  # a tie: the newest
+    assert d.tokens == [9, 4] and d.match_len == 2
+    assert d.probs == pytest.approx([1 / 3, 1 / 3])
+    assert tree.speculate([7, 5, 1], 8, min_prob=0.5).tokens == []  # too unsure
+    assert tree.speculate([2], 8, max_factor=2.0).tokens == [3, 5]  # a match of 1 drafts up to 2
+    assert tree.speculate([2], 8, max_factor=1.0).tokens == [3]
 
 
 def test_rejects_bad_arguments():
@@ -206,11 +207,11 @@ def test_suffix_drafter_prefers_the_better_scoring_tree_and_adapts():
     # The session saw 1 2 3 followed by 0 once and by 4 9 once; the outputs
     # twice by 4 5 6: surer, so theirs.
     d.extend([1, 2, 3, 0, 1, 2, 3, 4, 9, 1, 2, 3])
-    assert d.propose() == [4, 5, 6]
+    assert d.propose() == [4, 5, 6, 7]  # max_k
     assert d.from_outputs == 1
-    d.record(3, 0)
-    assert d.draft_len == 1
+    d.record(4, 0)
+    assert d.draft_len == 2
     d.truncate(4)
     assert d.tokens == [1, 2, 3, 0]
-    assert d.draft_len == 1
+    assert d.draft_len == 2
     assert d.propose(4) == []  # the only occurrence of "0" is the end itself
