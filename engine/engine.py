@@ -73,7 +73,7 @@ class Engine:
         kv_resume: bool = True,
         drafter: str = "suffix",
         forced_drafts: bool = True,
-        schema_drafts: bool = True,
+        schema_drafts: bool = False,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -128,7 +128,8 @@ class Engine:
         # Speculation's draft source (spec.drafters): "suffix" trees over the
         # session and its namespace's recent outputs, or "ngram" prompt lookup;
         # forced_drafts: what a grammar forces next is drafted first;
-        # schema_drafts: inside a call, the tool's schema names are drafts too.
+        # schema_drafts: inside a call, the tool's schema names are drafts too
+        # (off by default: on the agent model they measured no gain, docs/bench_spec.md).
         try:
             self.drafters = Drafters(drafter, forced_drafts, schema_drafts)
         except ValueError as e:

@@ -14,9 +14,9 @@ over the same weights, one KV namespace per engine:
 - ngram: prompt lookup over the session (spec.ngram);
 - ngram+forced: that, after what the grammar forces next (main before suffix trees);
 - suffix: suffix trees over the session and the namespace's finished replies (spec.suffix);
-- suffix+forced: that, after what the grammar forces next;
+- suffix+forced: that, after what the grammar forces next (the engine's default);
 - all: that, and the called tool's schema names where the drafter has
-  nothing the grammar allows (spec.schema_phrases; the engine's default).
+  nothing the grammar allows (spec.schema_phrases).
 
 A turn's prompt is computed untimed, with its drafter's index (a live
 session keeps it across turns); the reply is timed, modes side by side per

@@ -16,10 +16,11 @@ KINDS = ("ngram", "suffix")
 class Drafters:
     """forced: what a request's grammar forces next is drafted ahead of the
     drafter's own proposal; schema: where the drafter has nothing the grammar
-    allows, the called tool's schema names are tried (spec.schema_phrases).
-    Either is off only to measure what it is worth."""
+    allows, the called tool's schema names are tried (spec.schema_phrases;
+    off by default: on the agent model it gained nothing, docs/bench_spec.md).
+    forced is off only to measure what it is worth."""
 
-    def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = True,
+    def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = False,
                  max_output_tokens: int = 1 << 16, max_namespaces: int = 64):
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
