@@ -57,7 +57,3 @@ class AdaptiveLength:
     def mean_accepted(self) -> float:
         """Draft tokens accepted per verify step (the bonus token not counted)."""
         return self.accepted / self.verify_steps if self.verify_steps else 0.0
-
-    def finished(self, output: list[int]) -> None:
-        """A generation on this history ended with these tokens; a drafter that
-        learns from finished outputs (SuffixDrafter) takes them here."""
