@@ -21,7 +21,7 @@ class Drafters:
     forced is off only to measure what it is worth."""
 
     def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = False,
-                 max_output_tokens: int = 1 << 16, max_namespaces: int = 64):
+                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16):
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
         self.kind, self.forced, self.schema = kind, forced, schema

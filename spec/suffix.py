@@ -25,12 +25,15 @@ MAX_DEPTH, MAX_FACTOR, MIN_PROB, MAX_K = 24, 2.0, 0.2, 16
 
 
 class OutputTree:
-    """Finished outputs of one namespace's sessions, newest and most useful kept."""
+    """Finished outputs of one namespace's sessions, newest and most useful
+    kept: at most max_tokens tokens, max_nodes tree nodes (up to max_depth
+    per token, a few hundred bytes each) and max_outputs outputs."""
 
-    def __init__(self, max_depth: int = MAX_DEPTH, max_tokens: int = 1 << 16, max_outputs: int = 4096):
-        if max_tokens < 1 or max_outputs < 1:
-            raise ValueError(f"need max_tokens >= 1 and max_outputs >= 1, got {max_tokens}, {max_outputs}")
-        self.max_tokens, self.max_outputs = max_tokens, max_outputs
+    def __init__(self, max_depth: int = MAX_DEPTH, max_tokens: int = 1 << 15, max_nodes: int = 1 << 17,
+                 max_outputs: int = 4096):
+        if min(max_tokens, max_nodes, max_outputs) < 1:
+            raise ValueError(f"need max_tokens, max_nodes and max_outputs >= 1, got {max_tokens}, {max_nodes}, {max_outputs}")
+        self.max_tokens, self.max_nodes, self.max_outputs = max_tokens, max_nodes, max_outputs
         self.tree = SuffixTree(max_depth)
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._keys = itertools.count()
@@ -46,7 +49,8 @@ class OutputTree:
         key = next(self._keys)
         self.tree.extend(key, tokens[-self.max_tokens :])
         self._lru[key] = None
-        while self.tree.num_tokens > self.max_tokens or len(self._lru) > self.max_outputs:
+        while len(self._lru) > 1 and (self.tree.num_tokens > self.max_tokens or self.tree.num_nodes > self.max_nodes
+                                      or len(self._lru) > self.max_outputs):
             old, _ = self._lru.popitem(last=False)
             self.tree.remove(old)
             self.evicted += 1
@@ -62,9 +66,9 @@ class OutputTree:
 
 class OutputTrees:
     """One OutputTree per namespace, for at most max_namespaces of them (the
-    least recently drafted from goes first)."""
+    least recently used goes first)."""
 
-    def __init__(self, max_tokens: int = 1 << 16, max_namespaces: int = 64, max_depth: int = MAX_DEPTH):
+    def __init__(self, max_tokens: int = 1 << 15, max_namespaces: int = 16, max_depth: int = MAX_DEPTH):
         if max_namespaces < 1:
             raise ValueError(f"max_namespaces must be >= 1, got {max_namespaces}")
         self.max_tokens, self.max_namespaces, self.max_depth = max_tokens, max_namespaces, max_depth

@@ -180,6 +180,14 @@ def test_output_tree_is_bounded_and_evicts_least_recently_used():
     assert out.tree.num_tokens == 40 and len(out) == 1
 
 
+def test_output_tree_bounds_its_nodes():
+    out = OutputTree(max_depth=4, max_nodes=60)
+    for i in range(20):
+        out.add([10 * i + j for j in range(6)])  # nothing shared: 4 + 4 + 4 + 3 + 2 + 1 nodes each
+        assert out.tree.num_nodes <= 60
+    assert len(out) == 3 and out.tree.num_nodes == 54
+
+
 def test_output_trees_are_per_namespace_and_bounded():
     trees = OutputTrees(max_tokens=100, max_namespaces=2)
     trees.get("a").add([1, 2, 3])
