@@ -5,9 +5,9 @@ scores higher (the expected number of tokens accepted, from the counts).
 
 Agents repeat each other: the same tools with the same argument shapes and
 often the values another agent just produced. A namespace's tree is a side
-channel like its KV, so it is never consulted across namespaces; it holds at
-most max_tokens tokens of outputs and drops the least recently useful first
-(an output is used when a draft taken from it is accepted).
+channel like its KV, so it is never consulted across namespaces; it is
+bounded in tokens and nodes and drops the least recently useful output
+first (an output is used when a draft taken from it is accepted).
 """
 from __future__ import annotations
 
