@@ -28,7 +28,9 @@ acceptance by span kind (what share of each kind's tokens came from
 accepted drafts: JSON syntax, tool name, argument name, argument value,
 free text) and the share of repeated tokens (a token equal to the one
 before it: degenerate output would inflate every drafter). Then the cost
-of verifying k + 1 tokens against a decode step, on a held context.
+of verifying k + 1 tokens against a decode step, on a held context, and a
+draft-only replay of the plain replies through drafter variants (the
+suffix drafter's settings against SuffixDecoding's).
 Writes a table, runs/bench_spec-*/results.json, plot.png and an offline wandb run.
 """
 from __future__ import annotations
@@ -45,6 +47,8 @@ from engine.structured import request_grammar
 from experiments import agent_data as D
 from experiments.common import machine, median, run_dir
 from experiments.report import WandbRun, publish, pyplot, save_figure, table
+from spec.ngram import NGramDrafter
+from spec.suffix import OutputTree, SuffixDrafter
 
 # mode -> (drafter, grammar-forced drafts, schema drafts); None: no speculation.
 MODES = {
@@ -56,6 +60,15 @@ MODES = {
     "all": ("suffix", True, True),
 }
 KINDS = ("syntax", "tool_name", "arg_name", "arg_value", "text")
+# Draft-only replays of the plain replies: drafter settings, given the namespace's output tree.
+REPLAYS = {
+    "ngram": lambda outputs: NGramDrafter(),
+    "suffix, SuffixDecoding's walk and defaults (most frequent child, draft <= match, p >= 0.1, 8 tokens)":
+        lambda outputs: SuffixDrafter(outputs, max_factor=1.0, min_prob=0.1, max_k=8, newest=False),
+    "suffix, most frequent child": lambda outputs: SuffixDrafter(outputs, newest=False),
+    "suffix (default: newest child, draft <= 2 x match, p >= 0.2, 16 tokens)": lambda outputs: SuffixDrafter(outputs),
+    "suffix, without the namespace's outputs": lambda outputs: SuffixDrafter(None),
+}
 VERIFY_KS = (0, 1, 2, 4, 8, 16)
 
 
@@ -189,6 +202,29 @@ def verify_cost(eng: Engine, context: list[int], repeats: int) -> dict:
     return {str(k): {"ms": v, "vs_decode": v / out[0]} for k, v in out.items()}
 
 
+def replay(turns: list[tuple[list[int], list[int]]], make) -> float:
+    """Tokens per step when each (prompt, reply) is re-drafted token by token
+    with the drafter's own adaptive length (no model, no grammar), replies
+    joining the namespace's outputs in order: the drafters alone, compared."""
+    outputs, tokens, steps = OutputTree(), 0, 0
+    for prompt, reply in turns:
+        drafter = make(outputs)
+        drafter.extend(prompt + reply[:1])
+        pos = 1
+        while pos < len(reply):
+            k = min(drafter.draft_len, len(reply) - pos - 1)
+            draft = drafter.propose(k) if k > 0 else []
+            accepted = next((i for i, t in enumerate(draft) if t != reply[pos + i]), len(draft))
+            if draft:
+                drafter.record(len(draft), accepted)
+            n = min(accepted + 1, len(reply) - pos)
+            drafter.extend(reply[pos : pos + n])
+            pos, steps = pos + n, steps + 1
+        tokens += len(reply) - 1
+        outputs.add(reply)
+    return tokens / steps if steps else 0.0
+
+
 def summarize(rows: list[dict]) -> dict:
     out = {}
     for mode in MODES:
@@ -248,6 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-cache-mb", type=int, default=256, help="per engine")
     p.add_argument("--out", default=None, help="results folder (default: a new runs/bench_spec-*)")
+    p.add_argument("--seed-base", type=int, default=D.EVAL_SEED_BASE, help="the held-out workflows' first seed")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.monotonic()
@@ -258,8 +295,9 @@ def main(argv=None) -> int:
                for m, cfg in MODES.items()}
     spies = {m: Spy(e) for m, e in engines.items()}
     tok = base.tokenizer
-    turns = D.eval_turns(args.turns, D.Renderer(tok), args.seq_len, D.load_split(args.model), max_reply=args.max_tokens)
-    rows = []
+    turns = D.eval_turns(args.turns, D.Renderer(tok), args.seq_len, D.load_split(args.model), max_reply=args.max_tokens,
+                         seed_base=args.seed_base)
+    rows, plain = [], []
     for turn in tqdm(turns, desc="turns", unit="turn"):
         prompt = tok.apply_chat_template(turn.messages, tools=turn.tools)
         row: dict = {"prompt_tokens": len(prompt), "agent": turn.agent, "seed": turn.seed}
@@ -267,11 +305,13 @@ def main(argv=None) -> int:
             grammar = request_grammar(eng, turn.tools, "auto")
             row[mode] = answer(eng, spies[mode], prompt, grammar, args.max_tokens, MODES[mode] is not None)
         ids = row["none"]["ids"]
+        plain.append((prompt, ids))
         row["kinds"] = token_kinds(tok, ids)
         row["repeated"] = repeated_share(ids)
         row["text"] = tok.decode(ids, skip_special_tokens=False)
         rows.append(row)
     summary = summarize(rows)
+    replays = {name: replay(plain, make) for name, make in REPLAYS.items()}
     cost = verify_cost(engines["none"], tok.apply_chat_template(turns[0].messages, tools=turns[0].tools), args.repeats)
     repeated = sum(r["repeated"] * len(r["none"]["ids"]) for r in rows) / sum(len(r["none"]["ids"]) for r in rows)
     head = ["mode", "accepted/verify", "tokens/forward", "speed-up (median)", "speed-up (total)", "identical"] + \
@@ -287,12 +327,14 @@ def main(argv=None) -> int:
              f"tool calls in {sum('<tool_call>' in r['text'] for r in rows)} replies\n")
     text += table(["k drafted", "verify ms", "vs decode step"],
                   [[k, f"{v['ms']:.2f}", f"{v['vs_decode']:.2f}x"] for k, v in cost.items()])
+    text += "\n" + table(["draft-only replay of the plain replies", "tokens/step"],
+                         [[name, f"{v:.2f}"] for name, v in replays.items()])
     out = Path(args.out) if args.out else run_dir("bench_spec")
     out.mkdir(parents=True, exist_ok=True)
     for r in rows:
         for m in MODES:
             r[m].pop("marks")
-    results = {"summary": summary, "verify_cost": cost, "repeated_share": repeated, "rows": rows,
+    results = {"summary": summary, "verify_cost": cost, "replays": replays, "repeated_share": repeated, "rows": rows,
                "args": vars(args), "machine": machine(), "wall_s": time.monotonic() - start}
     flat = {f"{m}/{k}": v for m, s in summary.items() for k, v in s.items() if isinstance(v, (int, float, bool))}
     publish(out, results, text, plots={"plot.png": plot},

@@ -60,8 +60,9 @@ class OutputTree:
         if key in self._lru:
             self._lru.move_to_end(key)
 
-    def speculate(self, pattern: list[int], max_tokens: int, max_factor: float, min_prob: float) -> Draft:
-        return self.tree.speculate(pattern, max_tokens, max_factor, min_prob)
+    def speculate(self, pattern: list[int], max_tokens: int, max_factor: float, min_prob: float,
+                  newest: bool = True) -> Draft:
+        return self.tree.speculate(pattern, max_tokens, max_factor, min_prob, newest)
 
 
 class OutputTrees:
@@ -86,14 +87,16 @@ class OutputTrees:
 
 class SuffixDrafter(AdaptiveLength):
     """Per-session drafter with NGramDrafter's interface (extend, truncate,
-    propose, draft_len, record)."""
+    propose, draft_len, record). newest=False: SuffixDecoding's walk to the
+    most frequent child (an ablation)."""
 
     def __init__(self, outputs: OutputTree | None = None, max_depth: int = MAX_DEPTH, max_k: int = MAX_K,
-                 max_factor: float = MAX_FACTOR, min_prob: float = MIN_PROB, probe_every: int = 16):
+                 max_factor: float = MAX_FACTOR, min_prob: float = MIN_PROB, probe_every: int = 16,
+                 newest: bool = True):
         if max_factor <= 0 or not 0 < min_prob <= 1:
             raise ValueError(f"need max_factor > 0 and 0 < min_prob <= 1, got {max_factor}, {min_prob}")
         super().__init__(max_k, probe_every)
-        self.outputs, self.max_factor, self.min_prob = outputs, max_factor, min_prob
+        self.outputs, self.max_factor, self.min_prob, self.newest = outputs, max_factor, min_prob, newest
         self._tree = SuffixTree(max_depth)
         self._tree.extend(0, [])
         self._from: int | None = None  # the output the last draft came from, if any
@@ -125,10 +128,10 @@ class SuffixDrafter(AdaptiveLength):
         self._from = None
         if k == 0:
             return []
-        best = self._tree.speculate_end(0, k, self.max_factor, self.min_prob)
+        best = self._tree.speculate_end(0, k, self.max_factor, self.min_prob, self.newest)
         if self.outputs is not None:
             pattern = self._tree.sequence(0)[-self._tree.max_depth :]
-            other = self.outputs.speculate(pattern, k, self.max_factor, self.min_prob)
+            other = self.outputs.speculate(pattern, k, self.max_factor, self.min_prob, self.newest)
             if other.score > best.score:
                 best, self._from = other, other.ref
                 self.from_outputs += 1

@@ -148,41 +148,44 @@ class SuffixTree:
         return node
 
     def speculate(self, pattern: Sequence[int], max_tokens: int, max_factor: float = 1.0,
-                  min_prob: float = 0.1) -> Draft:
+                  min_prob: float = 0.1, newest: bool = True) -> Draft:
         """The best-scoring draft continuing pattern (see the module docstring);
-        an empty Draft when nothing matches."""
+        an empty Draft when nothing matches. newest=False walks to the most
+        frequent child instead (SuffixDecoding's rule; ties to the newest)."""
         nodes = []
         for m in range(1, min(len(pattern), self.max_depth) + 1):
             node = self._find(pattern[len(pattern) - m :])
             if node is None:
                 break  # a longer suffix cannot occur either
             nodes.append(node)
-        return self._best(nodes, max_tokens, max_factor, min_prob, 0)
+        return self._best(nodes, max_tokens, max_factor, min_prob, 0, newest)
 
     def speculate_end(self, key: Hashable, max_tokens: int, max_factor: float = 1.0,
-                      min_prob: float = 0.1) -> Draft:
+                      min_prob: float = 0.1, newest: bool = True) -> Draft:
         """speculate with the end of the sequence under key as the pattern. Its
         own occurrence of the pattern has no continuation yet, so it is left
         out of the first step's odds."""
-        return self._best(self._active[key], max_tokens, max_factor, min_prob, 1)
+        return self._best(self._active[key], max_tokens, max_factor, min_prob, 1, newest)
 
-    def _best(self, nodes: list[_Node], max_tokens: int, max_factor: float, min_prob: float, discount: int) -> Draft:
+    def _best(self, nodes: list[_Node], max_tokens: int, max_factor: float, min_prob: float, discount: int,
+              newest: bool) -> Draft:
         # nodes[m - 1]: the node of the pattern's last m tokens.
         best = Draft()
         for m, node in enumerate(nodes, 1):
             if node.children is None:
                 continue
-            draft = self._walk(node, min(max_tokens, int(m * max_factor + 1e-6)), min_prob, discount)
+            draft = self._walk(node, min(max_tokens, int(m * max_factor + 1e-6)), min_prob, discount, newest)
             if draft.tokens and draft.score >= best.score:
                 draft.match_len = m
                 best = draft
         return best
 
     @staticmethod
-    def _walk(node: _Node, limit: int, min_prob: float, discount: int) -> Draft:
+    def _walk(node: _Node, limit: int, min_prob: float, discount: int, newest: bool) -> Draft:
         draft, prob = Draft(), 1.0
+        rank = (lambda c: c.stamp) if newest else (lambda c: (c.count, c.stamp))
         while len(draft.tokens) < limit and node.children:
-            child = max(node.children.values(), key=lambda c: c.stamp)
+            child = max(node.children.values(), key=rank)
             p = prob * child.count / (node.count - discount)
             discount = 0
             if p < min_prob:

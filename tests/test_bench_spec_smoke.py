@@ -19,4 +19,5 @@ def test_writes_results_and_every_drafter_is_greedy_identical(tmp_path):
     assert summary["suffix+forced"]["decode_steps"] < summary["none"]["decode_steps"]
     assert set(results["verify_cost"]) == {str(k) for k in bench_spec.VERIFY_KS}
     assert sum(v["tokens"] for v in summary["none"]["by_kind"].values()) == summary["none"]["generated"]
+    assert set(results["replays"]) == set(bench_spec.REPLAYS) and all(v >= 1 for v in results["replays"].values())
     assert (tmp_path / "report.txt").read_text().strip()

@@ -50,7 +50,7 @@ class Naive:
         return {tuple(s[i : i + d]) for s in self.seqs.values() for d in range(1, self.depth + 1)
                 for i in range(len(s) - d + 1)}
 
-    def speculate(self, pattern, max_tokens, factor, min_prob, discount=0):
+    def speculate(self, pattern, max_tokens, factor, min_prob, discount=0, newest=True):
         best = ([], 0.0, 0)
         for m in range(1, min(len(pattern), self.depth) + 1):
             cur = tuple(pattern[-m:])
@@ -62,7 +62,7 @@ class Naive:
                 kids = {t: c for t, c in kids.items() if c}
                 if not kids:
                     break
-                t = max(kids, key=lambda t: self.stamps[cur + (t,)])
+                t = max(kids, key=lambda t: (0 if newest else kids[t], self.stamps[cur + (t,)]))
                 p = prob * kids[t] / (self.count(cur) - disc)
                 disc = 0
                 if p < min_prob:
@@ -88,8 +88,9 @@ ops = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(depth=st.integers(1, 6), ops=ops, probe=st.lists(st.integers(0, VOCAB - 1), max_size=7),
-       max_tokens=st.integers(0, 6), factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.05, 0.3, 0.6]))
-def test_matches_naive_rescan(depth, ops, probe, max_tokens, factor, min_prob):
+       max_tokens=st.integers(0, 6), factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.05, 0.3, 0.6]),
+       newest=st.booleans())
+def test_matches_naive_rescan(depth, ops, probe, max_tokens, factor, min_prob, newest):
     tree, ref = SuffixTree(depth), Naive(depth)
     for op, key, arg in ops:
         if op == "extend":
@@ -111,12 +112,13 @@ def test_matches_naive_rescan(depth, ops, probe, max_tokens, factor, min_prob):
         assert tree.count(sub) == ref.count(sub)
         assert tree.continuations(sub) == {t: ref.count(sub + (t,)) for t in range(VOCAB)
                                            if len(sub) < depth and ref.count(sub + (t,))}
-    got = tree.speculate(probe, max_tokens, factor, min_prob)
-    assert (got.tokens, got.match_len) == ref.speculate(probe, max_tokens, factor, min_prob)[::2]
-    assert got.score == pytest.approx(ref.speculate(probe, max_tokens, factor, min_prob)[1])
+    got = tree.speculate(probe, max_tokens, factor, min_prob, newest)
+    want = ref.speculate(probe, max_tokens, factor, min_prob, newest=newest)
+    assert (got.tokens, got.match_len) == want[::2]
+    assert got.score == pytest.approx(want[1])
     for key, seq in ref.seqs.items():
-        end = tree.speculate_end(key, max_tokens, factor, min_prob)
-        want = ref.speculate(seq[-depth:], max_tokens, factor, min_prob, discount=1)
+        end = tree.speculate_end(key, max_tokens, factor, min_prob, newest)
+        want = ref.speculate(seq[-depth:], max_tokens, factor, min_prob, discount=1, newest=newest)
         assert (end.tokens, end.match_len) == want[::2]
 
 
@@ -144,6 +146,7 @@ def test_drafts_the_newest_continuation_scored_by_frequency_and_bounded_by_the_m
     assert tree.speculate([7, 5, 1], 8, min_prob=0.5).tokens == []  # too unsure
     assert tree.speculate([2], 8, max_factor=2.0).tokens == [3, 5]  # a match of 1 drafts up to 2
     assert tree.speculate([2], 8, max_factor=1.0).tokens == [3]
+    assert tree.speculate([7, 5, 1], 8, newest=False).tokens == [2, 3]  # SuffixDecoding's: the most frequent
 
 
 def test_rejects_bad_arguments():
