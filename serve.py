@@ -20,6 +20,7 @@ from engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTE
 from engine.limits import Limits
 from engine.message_log import CONTINUATIONS
 from engine.retention import MODES, RetentionConfig
+from spec.drafters import KINDS
 
 log = logging.getLogger("agentkv.serve")
 
@@ -43,6 +44,9 @@ def serve(argv: list[str]) -> None:
                         help="how a chat turn on a session reuses its history: native continues from the tokens the "
                              "model produced (matched by message: only new messages are rendered); "
                              "template-faithful re-renders the history and reuses up to the first differing token")
+    parser.add_argument("--drafter", choices=KINDS, default="suffix",
+                        help="speculation's draft source: suffix trees over the session and its namespace's recent "
+                             "outputs, or ngram prompt lookup over the session alone (docs/bench_spec.md)")
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
                              "used expire (404)")
@@ -138,7 +142,7 @@ def serve(argv: list[str]) -> None:
         kv_offload_bytes=int(args.kv_offload_gb * 2**30),
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
         kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec,
-        kv_resume=not args.shared_state)
+        kv_resume=not args.shared_state, drafter=args.drafter)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
     if args.state_dir and engine.tier is None:

@@ -30,6 +30,7 @@ from model.default import default_model_dir
 from model.llama import Transformer
 from model.loader import load_model, parse_dtype
 from model.tokenizer import Tokenizer
+from spec.drafters import Drafters
 
 __all__ = ["Engine", "ChatResult", "common_prefix_len"]
 
@@ -70,6 +71,9 @@ class Engine:
         continuation: str = "native",
         preposition: bool = True,
         kv_resume: bool = True,
+        drafter: str = "suffix",
+        forced_drafts: bool = True,
+        schema_drafts: bool = False,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -121,8 +125,17 @@ class Engine:
         self.limits = limits or Limits()
         decode = tokenizer.decode if tokenizer is not None else None
         self.sequences = Sequences(self.pool, policy, self.limits.max_sessions)
+        # Speculation's draft source (spec.drafters): "suffix" trees over the
+        # session and its namespace's recent outputs, or "ngram" prompt lookup;
+        # forced_drafts: what a grammar forces next is drafted first;
+        # schema_drafts: inside a call, the tool's schema names are drafts too
+        # (off by default: on the agent model they measured no gain, docs/bench_spec.md).
+        try:
+            self.drafters = Drafters(drafter, forced_drafts, schema_drafts)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
-                                   self.eos_token_ids, decode)
+                                   self.eos_token_ids, decode, self.drafters)
         # Guards the pool, the sequences and the model (the scheduler's lock).
         self.lock = self.scheduler.lock
         self._grammars: GrammarCache | None = None

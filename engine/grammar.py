@@ -35,6 +35,8 @@ class Grammar:
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
         self.compiled, self.vocab_size = compiled, vocab_size
+        # Token spellings of its tools' schema names, drafted inside a call (spec.schema_phrases).
+        self.phrases: tuple[tuple[int, ...], ...] = ()
 
 
 # C0 controls other than tab, newline and carriage return: never text a

@@ -41,6 +41,8 @@ from engine.stats import SchedulerCounters, TurnStats
 from engine.stops import first_stop
 from model.sampler import make_generator
 from profiling.nvtx import nvtx_range
+from spec.drafters import Drafters
+from spec.schema_phrases import MAX_PHRASE_OVERLAP, continuations
 
 log = logging.getLogger("agentkv.scheduler")
 
@@ -66,6 +68,7 @@ class Scheduler:
         max_context: int,
         eos_token_ids: Iterable[int],
         decode: Callable[[list[int]], str] | None = None,
+        drafters: Drafters | None = None,
     ):
         self.runner, self.pool, self.policy, self.limits = runner, pool, policy, limits
         self.sequences = sequences
@@ -75,6 +78,7 @@ class Scheduler:
         self.max_context = max_context
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode  # for stop strings
+        self.drafters = drafters or Drafters()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.stats: deque[TurnStats] = deque(maxlen=limits.max_stats)
@@ -422,9 +426,9 @@ class Scheduler:
         room = min(req.params.max_tokens - len(req.output), self.max_context - len(seq.tokens)) - 1
         if not req.speculative or room < 1 or not req.output:
             return []
-        drafter = seq.draft_index()
+        drafter = seq.draft_index(self.drafters.new)
         # What the grammar forces next comes first; prompt lookup continues after it.
-        forced = req.grammar.forced()[:room] if req.grammar is not None else []
+        forced = req.grammar.forced()[:room] if req.grammar is not None and self.drafters.forced else []
         req.forced = len(forced)
         k = min(drafter.draft_len, room - len(forced))
         if forced and k > 0:
@@ -434,8 +438,19 @@ class Scheduler:
         else:
             more = drafter.propose(k) if k > 0 else []
         draft = forced + more
+        if req.grammar is None:
+            return draft
         # A draft token the grammar forbids could never be accepted, nor anything after it.
-        return req.grammar.clip(draft) if req.grammar is not None and draft else draft
+        draft = req.grammar.clip(draft) if draft else draft
+        phrases = req.grammar.grammar.phrases
+        if k > 0 and phrases and self.drafters.schema and len(draft) <= len(forced):
+            # Nothing allowed past the forced tokens: the rest of a schema name
+            # the text has begun, the one the grammar lets through furthest.
+            for rest in continuations(phrases, seq.tokens[-MAX_PHRASE_OVERLAP:] + forced, k):
+                allowed = req.grammar.clip(forced + rest)
+                if len(allowed) > len(draft):
+                    draft = allowed
+        return draft
 
     # -- results -------------------------------------------------------
 
@@ -489,7 +504,7 @@ class Scheduler:
     def _advance(self, req: Request, draft: list[int], accepted: int, token: int) -> None:
         seq = req.seq
         if draft:
-            seq.draft_index().record(len(draft), accepted)
+            seq.draft_index(self.drafters.new).record(len(draft), accepted)
             seq.turn.drafted_tokens += len(draft)
             seq.turn.accepted_tokens += accepted
             seq.turn.verify_steps += 1
@@ -515,6 +530,7 @@ class Scheduler:
             req.on_tokens(new)
         if req.finish_reason is not None:
             seq.finish_reason = req.finish_reason
+            self.drafters.finished(seq.namespace, req.output)
             self._file_turn(req)
             self._finish(req)
 

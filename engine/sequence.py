@@ -10,12 +10,13 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from cache.block_table import BlockTable
 from engine.stats import TurnStats
-from spec.ngram import NGramDrafter
+from spec.adaptive import AdaptiveLength
 
 
 @dataclass(eq=False)
@@ -32,7 +33,7 @@ class Sequence:
     pin_ttl: float | None
     tokens: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None  # after the last token; valid while every token's KV is held
-    drafter: NGramDrafter | None = None
+    drafter: AdaptiveLength | None = None  # made on first use: spec.drafters
     idle_since: float = field(default_factory=time.monotonic)
     closed: bool = False
     busy: bool = False  # a request is queued or running on it
@@ -56,10 +57,11 @@ class Sequence:
         """Held tokens whose KV is not computed yet."""
         return len(self.tokens) - self.table.length
 
-    def draft_index(self) -> NGramDrafter:
-        """The prompt-lookup drafter over these tokens, brought up to date."""
+    def draft_index(self, make: Callable[[str], AdaptiveLength]) -> AdaptiveLength:
+        """The drafter over these tokens (made by make(namespace) the first
+        time), brought up to date."""
         if self.drafter is None:
-            self.drafter = NGramDrafter()
+            self.drafter = make(self.namespace)
         self.drafter.extend(self.tokens[len(self.drafter) :])
         return self.drafter
 

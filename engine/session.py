@@ -22,7 +22,7 @@ from engine.request import OnDone, OnTokens, Request
 from engine.sequence import Sequence
 from engine.stats import TurnStats
 from model.sampler import SamplingParams
-from spec.ngram import NGramDrafter
+from spec.adaptive import AdaptiveLength
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -134,11 +134,13 @@ class Session:
         if tier is not None:
             tier.prefetch(self._seq.key)
 
-    def drafter(self) -> NGramDrafter:
-        """The prompt-lookup drafter over this session's tokens (its knobs, its acceptance counts)."""
-        return self._seq.draft_index()
+    def drafter(self) -> AdaptiveLength:
+        """The drafter over this session's tokens (the engine's kind: spec.drafters;
+        its knobs, its acceptance counts)."""
+        with self._sequences.lock:
+            return self._seq.draft_index(self._scheduler.drafters.new)
 
-    def use_drafter(self, drafter: NGramDrafter) -> None:
+    def use_drafter(self, drafter: AdaptiveLength) -> None:
         """Draft from this one (anything with NGramDrafter's interface) instead."""
         self._sequences.use_drafter(self._seq, drafter)
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.grammar import Grammar, GrammarError
 from model.tool_calls import detect_tool_call_format
+from spec.schema_phrases import schema_phrases
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -150,4 +151,7 @@ def request_grammar(
     tag = structural_tag(tools, tool_choice, response_format, tool_call_format(engine.tokenizer), parallel_tool_calls)
     if tag is None or (not engine.constrain_auto and tool_choice in (None, "auto") and response_format is None):
         return None
-    return engine.grammars.get(tag)
+    grammar = engine.grammars.get(tag)
+    if tools and not grammar.phrases:  # once per compiled grammar: it is cached with it
+        grammar.phrases = schema_phrases(tools, engine.tokenizer.encode)
+    return grammar

@@ -10,8 +10,10 @@ extending pushed.
 """
 from __future__ import annotations
 
+from spec.adaptive import AdaptiveLength
 
-class NGramDrafter:
+
+class NGramDrafter(AdaptiveLength):
     """Per-session draft source with its own copy of the token history.
 
     The engine keeps it in step with the session: `extend` with every token
@@ -23,25 +25,14 @@ class NGramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1, max_k: int = 8, probe_every: int = 16):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {max_k}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
-        self.max_n, self.min_n, self.max_k, self.probe_every = max_n, min_n, max_k, probe_every
+        super().__init__(max_k, probe_every)
+        self.max_n, self.min_n = max_n, min_n
         self._tokens: list[int] = []
         # _ends[n - min_n][gram] = positions e, ascending, with tokens[e - n:e] == gram.
         self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(min_n, max_n + 1)]
         # Reads and writes of the n-gram index, so tests and profiles can see
         # that the cost per token stays flat as the history grows.
         self.index_ops = 0
-
-        # Start optimistic: agent traffic copies a lot, and a few misses
-        # bring the length down quickly.
-        self._len = max_k
-        self._last_draft_at = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.verify_steps = 0
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -73,7 +64,7 @@ class NGramDrafter:
                     del ends[gram]
                 self.index_ops += 1
         del self._tokens[n:]
-        self._last_draft_at = min(self._last_draft_at, n)
+        self._truncated(n)
 
     def propose(self, k: int | None = None) -> list[int]:
         """Up to k tokens (default `draft_len`) that followed the most recent
@@ -93,34 +84,3 @@ class NGramDrafter:
                 start = stack[-2]
                 return self._tokens[start : start + k]
         return []
-
-    @property
-    def draft_len(self) -> int:
-        """How many tokens to draft next. At 0, every probe_every tokens a
-        one-token probe checks whether the text has started copying again."""
-        if self._len > 0:
-            return self._len
-        return 1 if len(self._tokens) - self._last_draft_at >= self.probe_every else 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """Report one verify step: `drafted` tokens proposed, the first
-        `accepted` of them confirmed by the target model."""
-        if not 0 <= accepted <= drafted or drafted < 1:
-            raise ValueError(f"need 0 <= accepted <= drafted and drafted >= 1, got {accepted}/{drafted}")
-        self.drafted += drafted
-        self.accepted += accepted
-        self.verify_steps += 1
-        self._last_draft_at = len(self._tokens)
-        if accepted == drafted:
-            # A copied span tends to go on: ramp fast. A draft cut short by the
-            # end of its match says nothing against the current length.
-            self._len = min(self.max_k, max(self._len, 2 * drafted))
-        elif accepted > 0:
-            self._len = min(self.max_k, accepted + 1)
-        else:
-            self._len = min(self._len, drafted) // 2
-
-    @property
-    def mean_accepted(self) -> float:
-        """Draft tokens accepted per verify step (the bonus token not counted)."""
-        return self.accepted / self.verify_steps if self.verify_steps else 0.0

@@ -1,10 +1,17 @@
-"""Prompt-lookup speculation through the engine: greedy output identical to
-plain decoding, sampling with the target's distribution, rollback exact."""
+"""Speculation through the engine, with each drafter (n-gram prompt lookup,
+suffix trees) and with fixed drafts: greedy output identical to plain
+decoding (also under a grammar, ending at a stop, at max_tokens, at the
+grammar's end), sampling with the target's distribution, rollback exact, and
+no draft from another namespace's outputs."""
 import pytest
 import torch
 
 from engine import Engine
+from engine.structured import request_grammar
+from model.default import random_init
 from model.sampler import SamplingParams, probs_from_logits
+from spec.drafters import KINDS
+from spec.schema_phrases import continuations, schema_phrases
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
@@ -18,9 +25,9 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def engine(ckpt):
-    return Engine.from_pretrained(ckpt, page_size=8, num_pages=96)
+@pytest.fixture(params=KINDS)
+def engine(ckpt, request):
+    return Engine.from_pretrained(ckpt, page_size=8, num_pages=96, drafter=request.param)
 
 
 def prompt_with_repeats(seed: int, n: int = 40) -> list[int]:
@@ -53,6 +60,13 @@ class StubDrafter:
 
     def record(self, drafted: int, accepted: int) -> None:
         pass
+
+
+class NoDrafter(StubDrafter):
+    """Asks for drafts and never has one."""
+
+    def propose(self, k: int) -> list[int]:
+        return []
 
 
 class FixedDrafter(StubDrafter):
@@ -193,3 +207,183 @@ def test_page_accounting_after_rejections(engine):
         check_consistent(s)
         engine.pool.check()
     assert_all_pages_free(engine)
+
+
+@pytest.fixture
+def suffix_engine(ckpt):
+    return Engine.from_pretrained(ckpt, page_size=8, num_pages=96, drafter="suffix")
+
+
+def spy_drafts(engine) -> list[tuple[list[int], list[int]]]:
+    """Every (history, draft) the scheduler proposes from now on."""
+    seen, draft = [], engine.scheduler._draft
+
+    def spied(req):
+        out = draft(req)
+        seen.append((list(req.seq.tokens), out))
+        return out
+
+    engine.scheduler._draft = spied
+    return seen
+
+
+def test_suffix_drafts_copy_the_namespace_outputs_and_never_another_namespaces(suffix_engine):
+    engine = suffix_engine
+    outputs = engine.drafters.outputs
+    prompt = prompt_with_repeats(5)
+    with engine.session(namespace="a") as s:
+        s.append(prompt)
+        truth = s.generate(max_tokens=40, ignore_eos=True, speculative=False)
+    assert len(outputs.get("a")) == 1 and len(outputs.get("b")) == 0  # a finished output joins its namespace
+    # Another output in "a" continues this prompt's end with tokens no one wrote.
+    fresh = [t for t in range(VOCAB) if t not in prompt + truth][:8]
+    engine.drafters.finished("a", prompt[-12:] + truth[:1] + fresh)
+    seen = spy_drafts(engine)
+    with engine.session(namespace="a") as s:
+        s.append(prompt)
+        assert s.generate(max_tokens=40, ignore_eos=True) == truth
+        assert s.drafter().from_outputs > 0
+    assert any(d[:2] == fresh[:2] for _, d in seen)
+    # The same prompt in namespace "b": never a draft from "a".
+    seen.clear()
+    with engine.session(namespace="b") as s:
+        s.append(prompt)
+        assert s.generate(max_tokens=40, ignore_eos=True) == truth
+    assert seen and not any(set(d) & set(fresh) for _, d in seen)
+
+
+def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine):
+    """The chi-square test above with the suffix drafter's own drafts: the
+    namespace's outputs (seeded with a likely pair, then every trial's own
+    output) propose the second token."""
+    engine = suffix_engine
+    prompt = prompt_with_repeats(11, 20)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    with engine.session() as s:
+        p1 = probs_from_logits(s.append(prompt)[None], params)[0]
+        exact = {}
+        for t1 in p1.nonzero().flatten().tolist():
+            with s.fork() as f:
+                p2 = probs_from_logits(f.append([t1])[None], params)[0]
+            for t2 in p2.nonzero().flatten().tolist():
+                exact[(t1, t2)] = float(p1[t1] * p2[t2])
+    top1 = max(p1.nonzero().flatten().tolist(), key=lambda t: float(p1[t]))
+    engine.drafters.finished("default", [top1, max((t2 for t1, t2 in exact if t1 == top1), key=lambda t2: exact[(top1, t2)])])
+    counts = dict.fromkeys(exact, 0)
+    trials = drafted = accepted = 0
+    for seed in range(600):
+        with engine.session() as s:
+            s.append(prompt)
+            out = s.generate(max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+            st = engine.stats[-1]
+            drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
+            counts[tuple(out[:2])] += 1
+            trials += 1
+    assert 0 < accepted < drafted
+    chi2 = sum((counts[c] - trials * p) ** 2 / (trials * p) for c, p in exact.items())
+    assert chi2 < 26.1, (chi2, counts, exact)
+
+
+def test_page_accounting_after_suffix_draft_rejections(suffix_engine):
+    engine = suffix_engine
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    with engine.session(namespace="ref") as ref:
+        ref.append(prompt)
+        truth = ref.generate(max_tokens=30, ignore_eos=True, speculative=False)
+    # Outputs that continue each point of the reply wrongly: their drafts are rejected.
+    text = prompt + truth
+    for i in range(len(prompt) + 1, len(text)):
+        engine.drafters.finished("default", text[i - 12 : i] + torch.randint(0, VOCAB, (8,), generator=g).tolist())
+    with engine.session() as s:
+        s.append(prompt)
+        assert s.generate(max_tokens=30, ignore_eos=True) == truth
+        st = engine.stats[-1]
+        assert st.drafted_tokens > st.accepted_tokens
+        check_consistent(s)
+        engine.pool.check()
+    assert_all_pages_free(engine)
+
+
+TOOL = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "required": ["path", "start"],
+    "properties": {"path": {"type": "string", "maxLength": 12}, "start": {"type": "integer", "minimum": 1, "maximum": 99}}}}}]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    eng = Engine.from_pretrained(num_pages=1)
+    random_init(eng.model, 0)
+    return eng.model, eng.tokenizer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grammar_forced_drafts_end_exactly_at_a_stop_at_max_tokens_and_at_the_grammar_end(default_model, kind):
+    engine = Engine(*default_model, num_pages=256, drafter=kind)
+    grammar = request_grammar(engine, TOOL, "required", parallel_tool_calls=False)
+    messages = [{"role": "user", "content": "Read src/app.py from line 12, then src/app.py again."}]
+    prompt = engine.tokenizer.apply_chat_template(messages, tools=TOOL)
+
+    def run(speculative, **kw):
+        with engine.session() as s:
+            s.append(prompt)
+            out = s.generate(speculative=speculative, grammar=grammar, **kw)
+            check = s.table.length == len(s) - 1 and len(s.table.pages) == -(-s.table.length // engine.pool.page_size)
+            return out, s.finish_reason, engine.stats[-1], check
+
+    plain, reason, _, _ = run(False, max_tokens=120)
+    assert reason == "stop" and plain[-1] in engine.eos_token_ids  # the grammar's end
+    spec, reason, turn, ok = run(True, max_tokens=120)
+    assert spec == plain and reason == "stop" and ok and turn.forced_tokens > 0
+    for n in (1, 2, 3, 5, 8, len(plain) - 1):
+        out, reason, _, ok = run(True, max_tokens=n)
+        assert out == plain[:n] and reason == "length" and ok
+    for j in (1, 4, len(plain) // 2):
+        stop = plain[j]
+        out, reason, _, ok = run(True, max_tokens=120, stop_token_ids=[stop])
+        assert out == plain[: plain.index(stop) + 1] and reason == "stop" and ok
+
+
+MODES_TOOL = [{"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "required": ["mode"],
+    "properties": {"mode": {"enum": ["careful", "reckless", "balanced"]}, "dry_run": {"type": "boolean"},
+                   "note": {"type": "string", "maxLength": 8}}}}}]
+
+
+def test_schema_phrases_and_their_continuations(default_model):
+    encode = default_model[1].encode
+    phrases = schema_phrases(MODES_TOOL, encode)
+    assert tuple(encode(' "dry_run":')) in phrases and tuple(encode(' "reckless')) in phrases
+    assert tuple(encode(' "set_mode",')) in phrases
+    key = encode(' "dry_run":')
+    assert key[1:] in continuations(phrases, [5, 6] + key[:1], 8)
+    assert continuations(phrases, [5, 6] + key[:1], 1) == [[t] for t in dict.fromkeys(
+        p[1] for p in phrases if p[:1] == tuple(key[:1]))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_schema_drafts_keep_greedy_output_identical(kind):
+    """With a drafter that never finds anything, what is drafted past the
+    grammar's forced tokens is the schema's names. The trained agent model:
+    it spells JSON the way its tokenizer does, as the phrases are."""
+    messages = [{"role": "user", "content": "Set the mode to reckless, as a dry run, with the note 'try'."}]
+    extra = {}
+    for schema in (False, True):
+        engine = Engine.from_pretrained("models/agent-8m", num_pages=256, drafter=kind, schema_drafts=schema)
+        grammar = request_grammar(engine, MODES_TOOL, "required", parallel_tool_calls=False)
+        prompt = engine.tokenizer.apply_chat_template(messages, tools=MODES_TOOL)
+        with engine.session() as s:
+            s.append(prompt)
+            plain = s.generate(max_tokens=80, grammar=grammar, speculative=False)
+        with engine.session() as s:
+            s.append(prompt)
+            s.use_drafter(NoDrafter())
+            assert s.generate(max_tokens=80, grammar=grammar) == plain
+            check_consistent_pages(s, engine.pool.page_size)
+        turn = engine.stats[-1]
+        extra[schema] = turn.drafted_tokens - turn.forced_tokens
+    assert extra[False] == 0 and extra[True] > 0
+
+
+def check_consistent_pages(s, page_size: int) -> None:
+    assert s.table.length == len(s) - 1 and len(s.table.pages) == -(-s.table.length // page_size)

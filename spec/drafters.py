@@ -1,0 +1,39 @@
+"""Which drafter an engine's sessions get, and what drafters of one namespace share.
+
+- "ngram": prompt lookup over the session's own history (spec.ngram), the baseline;
+- "suffix": suffix trees over the session's history and over the recent
+  outputs of every session in its namespace (spec.suffix).
+"""
+from __future__ import annotations
+
+from spec.adaptive import AdaptiveLength
+from spec.ngram import NGramDrafter
+from spec.suffix import OutputTrees, SuffixDrafter
+
+KINDS = ("ngram", "suffix")
+
+
+class Drafters:
+    """forced: what a request's grammar forces next is drafted ahead of the
+    drafter's own proposal; schema: where the drafter has nothing the grammar
+    allows, the called tool's schema names are tried (spec.schema_phrases;
+    off by default: on the agent model it gained nothing, docs/bench_spec.md).
+    forced is off only to measure what it is worth."""
+
+    def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = False,
+                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16):
+        if kind not in KINDS:
+            raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
+        self.kind, self.forced, self.schema = kind, forced, schema
+        self.outputs = OutputTrees(max_output_tokens, max_namespaces) if kind == "suffix" else None
+
+    def new(self, namespace: str) -> AdaptiveLength:
+        """A drafter for a sequence in namespace (its history empty)."""
+        if self.outputs is None:
+            return NGramDrafter()
+        return SuffixDrafter(self.outputs.get(namespace))
+
+    def finished(self, namespace: str, output: list[int]) -> None:
+        """A generation in namespace ended with these tokens: later drafts there may copy them."""
+        if self.outputs is not None:
+            self.outputs.get(namespace).add(output)
