@@ -40,7 +40,7 @@ from engine.sequences import Sequences
 from engine.stats import SchedulerCounters, TurnStats
 from engine.stops import first_stop
 from model.sampler import make_generator
-from profiling.nvtx import nvtx_range
+from engine.trace import nvtx_range
 
 log = logging.getLogger("agentkv.scheduler")
 
