@@ -38,6 +38,10 @@ class AttnMetadata:
     # kernels.reference._torch_plan), made on first use and then shared by
     # every layer of the step.
     torch_plans: dict[int, list[tuple[list[slice | torch.Tensor], torch.Tensor | None]]] = field(default_factory=dict)
+    # The torch path's RoPE factors at the step's positions, with the cos
+    # table they came from (see kernels.reference.rope_and_store), likewise
+    # made once per step.
+    torch_rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
