@@ -54,7 +54,8 @@ def linear(
         rows = x.shape[0]
         if rows < MIN_PACKED_ROWS:
             x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
-        return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
+            return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
+        return onednn_linear.packed_linear(x, packed.get(weight), bias)
     return torch.addmm(bias, x, weight) if bias is not None else x @ weight
 
 
@@ -178,4 +179,6 @@ class Transformer(nn.Module):
             h, residual = h[logit_indices], residual[logit_indices]
         h, _ = kernels.rmsnorm(h, self.norm, eps, residual)
         logits = linear(h, self.lm_head, None, self.packed)
-        return (logits if logit_indices is not None else logits[: meta.num_tokens]).float()
+        if logit_indices is None and logits.shape[0] > meta.num_tokens:
+            logits = logits[: meta.num_tokens]  # the padding rows'
+        return logits.float()
