@@ -5,17 +5,24 @@ Prefill, a turn's delta, a decode step and a speculative verify are all a
 trailing logits it wants. Pages are reserved for every item at once (all or
 nothing), shared pages about to be written are copied first, then a single
 ragged forward writes the K/V and returns the logits.
+
+Everything a step hands the model (token ids, the logit rows, the attention
+metadata) is written into persistent buffers the runner keeps for its life
+(kernels.metadata.StepBuffers), so a step allocates no input tensor once they
+have grown to its size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+
 import torch
 
 import kernels
 from cache.block_table import BlockTable
 from cache.errors import KVCapacityError
 from cache.pool import PagePool
-from kernels import AttnMetadata
+from kernels.metadata import PersistentBuffer, StepBuffers
 from model.llama import Transformer
 
 
@@ -30,6 +37,16 @@ class ModelRunner:
     def __init__(self, model: Transformer, pool: PagePool):
         self.model = model
         self.pool = pool
+        device = model.device
+        self.buffers = StepBuffers(pool.page_size, device)
+        self._ids = PersistentBuffer(torch.int64, device)
+        self._logit_rows = PersistentBuffer(torch.int64, device)
+
+    @property
+    def allocations(self) -> int:
+        """How many times a step's input buffers were (re)made: constant once
+        the runner has seen its largest step."""
+        return self.buffers.allocations + self._ids.allocations + self._logit_rows.allocations
 
     def step(self, items: list[StepItem]) -> list[torch.Tensor]:
         """Compute the K/V of every item's tokens; return each item's logits
@@ -55,20 +72,26 @@ class ModelRunner:
         return list(logits.split([it.num_logits for it in items]))
 
     def _forward(self, items: list[StepItem]) -> torch.Tensor:
-        device = self.model.device
         query_lens = [len(it.tokens) for it in items]
-        meta = AttnMetadata.build(
+        meta = self.buffers.build(
             query_lens,
             [it.table.length + q for it, q in zip(items, query_lens)],
             [it.table.pages for it in items],
-            self.pool.page_size,
-            device,
         )
-        ids = torch.tensor([t for it in items for t in it.tokens], dtype=torch.int64, device=device)
-        logit_rows, end = [], 0
-        for it, q in zip(items, query_lens):
-            end += q
-            logit_rows.extend(range(end - it.num_logits, end))
-        all_rows = len(logit_rows) == end
-        rows = None if all_rows else torch.tensor(logit_rows, dtype=torch.int64, device=device)
+        num_tokens = meta.num_tokens
+        # Past the step's ids the buffer holds valid ids (zeros, or an earlier
+        # step's), which the model runs as padding rows (Transformer.min_rows).
+        rows_run = max(num_tokens, self.model.min_rows)
+        self._ids.ensure(rows_run)
+        self._ids.np[:num_tokens] = list(chain.from_iterable(it.tokens for it in items))
+        ids = self._ids.view(rows_run)
+        rows = None
+        if any(it.num_logits != q for it, q in zip(items, query_lens)):
+            logit_rows, end = [], 0
+            for it, q in zip(items, query_lens):
+                end += q
+                logit_rows.extend(range(end - it.num_logits, end))
+            self._logit_rows.ensure(len(logit_rows))
+            self._logit_rows.np[: len(logit_rows)] = logit_rows
+            rows = self._logit_rows.view(len(logit_rows))
         return self.model(ids, meta, self.pool.kv, rows)

@@ -39,8 +39,8 @@ from engine.sequence import Sequence
 from engine.sequences import Sequences
 from engine.stats import SchedulerCounters, TurnStats
 from engine.stops import first_stop
+from engine.trace import nvtx_range
 from model.sampler import make_generator
-from profiling.nvtx import nvtx_range
 from spec.drafters import Drafters
 from spec.schema_phrases import MAX_PHRASE_OVERLAP, continuations
 

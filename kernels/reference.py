@@ -241,10 +241,20 @@ def paged_attention(
     return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def _rope_factors(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin at the step's positions, [T, 1, D] each, for
+    x * c + swap_halves(x) * s: the rotation in HF's rotate_half form with
+    -sin folded into the first half (a - b and a + (-b) round alike)."""
+    c = cos.index_select(0, positions)
+    s = sin.index_select(0, positions)
+    return torch.cat((c, c), dim=-1)[:, None, :], torch.cat((-s, s), dim=-1)[:, None, :]
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    t, heads, dim = x.shape
+    xf = x.float()
+    swapped = xf.view(t, heads, 2, dim // 2).flip(2).view(t, heads, dim)
+    return (xf * c + swapped * s).to(x.dtype)
 
 
 def rope_and_store(
@@ -259,12 +269,18 @@ def rope_and_store(
 ) -> torch.Tensor:
     """Rotate q and k at meta.positions, write rotated k and v into their page
     slots (meta.slot_mapping); return rotated q."""
-    c = cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D/2]
-    s = sin.index_select(0, meta.positions)[:, None, :]
+    # The factors depend on the step alone: made by the first layer, shared
+    # by the rest (tables of other sizes, as tests pass, are made afresh).
+    if meta.torch_rope is None or meta.torch_rope[0] is not cos:
+        meta.torch_rope = (cos, *_rope_factors(cos, sin, meta.positions))
+    # q and k rotated in one pass: rotation is elementwise, so joining them
+    # changes no bit and halves the ops.
+    num_q_heads = q.shape[1]
+    qk = _rotate(torch.cat((q, k), dim=1), *meta.torch_rope[1:])
     # Through the per-head view, so that any page layout is written in place.
-    _by_head(k_cache).index_copy_(1, meta.slot_mapping, _rotate(k, c, s).transpose(0, 1))
+    _by_head(k_cache).index_copy_(1, meta.slot_mapping, qk[:, num_q_heads:].transpose(0, 1))
     _by_head(v_cache).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    return _rotate(q, c, s)
+    return qk[:, :num_q_heads]
 
 
 def rmsnorm(
@@ -274,6 +290,10 @@ def rmsnorm(
     Without: returns (weight * x / rms(x), x). Statistics in float32, as HF."""
     if residual is not None:
         x = x + residual
+    if x.dtype == weight.dtype == torch.float32:
+        # torch's fused op runs the very steps below in C++ (x * rsqrt(mean(x^2)
+        # + eps), times weight), bit for bit, without a Python call for each.
+        return F.rms_norm(x, weight.shape, weight, eps), x
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), x

@@ -54,7 +54,8 @@ def linear(
         rows = x.shape[0]
         if rows < MIN_PACKED_ROWS:
             x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
-        return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
+            return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
+        return onednn_linear.packed_linear(x, packed.get(weight), bias)
     return torch.addmm(bias, x, weight) if bias is not None else x @ weight
 
 
@@ -74,16 +75,18 @@ class Attention(nn.Module):
         self.packed: PackedWeights | None = None
 
     def forward(self, x, meta: AttnMetadata, k_cache, v_cache, cos, sin) -> torch.Tensor:
-        # x: [T, hidden]
-        t = x.shape[0]
+        # x: [R, hidden], the step's T tokens and R - T padding rows (see Transformer.min_rows)
+        t, pad = meta.num_tokens, x.shape[0] - meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_dim].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
+        q = qkv[:t, :q_dim].view(t, self.num_heads, self.head_dim)
+        k = qkv[:t, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:t, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
         q = kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, Hq, D]
-        return linear(o.reshape(t, q_dim), self.o_weight, self.o_bias, self.packed)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window).view(t, q_dim)
+        if pad:
+            o = F.pad(o, (0, 0, 0, pad))
+        return linear(o, self.o_weight, self.o_bias, self.packed)
 
 
 class FeedForward(nn.Module):
@@ -131,6 +134,13 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows a forward runs: a step of fewer tokens is padded
+        to this many once, at the embedding, rather than at every linear
+        (see linear and MIN_PACKED_ROWS)."""
+        return MIN_PACKED_ROWS if self.packed is not None else 1
+
     @torch.inference_mode()
     def prepack(self, enabled: bool = True) -> None:
         """Run the linears on oneDNN with packed copies of their weights where
@@ -153,11 +163,12 @@ class Transformer(nn.Module):
         kv: torch.Tensor,
         logit_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids: [T] new tokens of the step; kv: the page pool's
-        [layers, 2, pages, page_size, kv_heads, head_dim]. Returns fp32 logits
-        [N, vocab] at logit_indices (all T tokens when None)."""
+        """input_ids: [R] the step's T = meta.num_tokens new tokens, then any
+        R - T valid ids run as padding rows (see min_rows); kv: the page
+        pool's [layers, 2, pages, page_size, kv_heads, head_dim]. Returns
+        fp32 logits [N, vocab] at logit_indices (all T tokens when None)."""
         eps = self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed)  # [R, hidden]
         residual = None
         for i, block in enumerate(self.blocks):
             x, residual = kernels.rmsnorm(h, block.attn_norm, eps, residual)
@@ -167,4 +178,7 @@ class Transformer(nn.Module):
         if logit_indices is not None:
             h, residual = h[logit_indices], residual[logit_indices]
         h, _ = kernels.rmsnorm(h, self.norm, eps, residual)
-        return linear(h, self.lm_head, None, self.packed).float()
+        logits = linear(h, self.lm_head, None, self.packed)
+        if logit_indices is None and logits.shape[0] > meta.num_tokens:
+            logits = logits[: meta.num_tokens]  # the padding rows'
+        return logits.float()

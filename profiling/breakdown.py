@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels
 import model.tokenizer as tokenizer_module
-from profiling.nvtx import nvtx_range
+from engine.trace import nvtx_range
 
 PHASES = ["render", "tokenize", "prefill", "decode", "verify", "draft", "sample", "detokenize", "parse_tools",
           "scheduling+bookkeeping"]

@@ -1,4 +1,4 @@
-from profiling.nvtx import nvtx_range
+from engine.trace import nvtx_range
 
 
 def test_nvtx_range_wraps_and_propagates():

@@ -1,5 +1,7 @@
-"""NVTX ranges that name the engine's phases (prefill, decode, verify) on an
-Nsight Systems timeline; a no-op where CUDA is absent."""
+"""The engine's trace hooks: NVTX ranges that name its phases (prefill,
+decode, verify) on an Nsight Systems timeline; a no-op where CUDA is absent.
+They live in the engine, which calls them, so that the engine imports nothing
+from profiling/ (whose tools import the engine and experiments/)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
