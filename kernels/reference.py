@@ -217,13 +217,32 @@ def paged_attention(
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
     at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
+    out = torch.empty_like(q)
+    paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window)
+    return out
+
+
+def paged_attention_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+    longer_than: int = 0,
+) -> None:
+    """paged_attention into out's rows of the sequences with more than
+    longer_than queries (another kernel does the rest)."""
     plan = meta.torch_plans.get(sliding_window)
     if plan is None:
         plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
     k_flat, v_flat = _by_head(k_cache), _by_head(v_cache)
-    out = torch.empty_like(q)
     start = 0
     for q_len, (blocks, mask) in zip(meta.query_lens_list, plan):
+        if q_len <= longer_than:
+            start += q_len
+            continue
         qi = q[start : start + q_len]
         k_parts, v_parts = _pieces(k_flat, blocks), _pieces(v_flat, blocks)
         if mask is None and q_len <= FEW_QUERIES:
@@ -238,7 +257,6 @@ def paged_attention(
                 )
                 out[start : start + q_len] = oi[0].transpose(0, 1)
         start += q_len
-    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
