@@ -79,6 +79,11 @@ def _op():
     return _build["op"]
 
 
+def build_error() -> str:
+    """Why the extension is not available ('' when it is, or not tried yet)."""
+    return str(_build.get("error", ""))
+
+
 def available() -> bool:
     """Whether the extension is built (building it on the first call)."""
     try:
@@ -115,10 +120,12 @@ def paged_attention(
         )
     q = q.contiguous()
     out = torch.empty_like(q)
-    _op()(
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        scale, sliding_window, MAX_QUERIES, SPLIT, out,
-    )
-    if meta.max_query_len > MAX_QUERIES:
+    lens = meta.query_lens_list
+    if min(lens) <= MAX_QUERIES:
+        _op()(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            scale, sliding_window, MAX_QUERIES, SPLIT, out,
+        )
+    if max(lens) > MAX_QUERIES:
         reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=MAX_QUERIES)
     return out

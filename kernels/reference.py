@@ -259,6 +259,37 @@ def paged_attention_into(
         start += q_len
 
 
+def naive_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The oracle of paged_attention and the CPU kernel, in float64: each query
+    on its own, its visible keys gathered slot by slot through the block table,
+    one plain softmax. Slow; for tests."""
+    num_q_heads = q.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    tables = meta.block_tables.tolist()
+    cu = meta.cu_seqlens_q.tolist()
+    for i, s_len in enumerate(meta.seq_lens_list):
+        for t in range(cu[i], cu[i + 1]):
+            pos = s_len - (cu[i + 1] - t)
+            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+            keys = range(lo, pos + 1)
+            pages = [tables[i][p // meta.page_size] for p in keys]
+            slots = [p % meta.page_size for p in keys]
+            k = k_cache[pages, slots].double()  # [n, Hkv, D]
+            v = v_cache[pages, slots].double()
+            group = num_q_heads // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            probs = (torch.einsum("hd,nhd->hn", q[t].double(), k) * scale).softmax(-1)
+            out[t] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
