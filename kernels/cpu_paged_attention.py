@@ -27,9 +27,12 @@ from kernels.metadata import AttnMetadata
 SOURCE = Path(__file__).with_suffix(".cpp")
 
 # Sequences with at most this many queries in a step run here: decode (1) and
-# verify (k+1) steps. At 16 the kernel still beat the reference (see
-# docs/bench_cpu_attention.md).
-MAX_QUERIES = 16
+# verify (k+1) steps; longer ones go to the reference. The kernel's work grows
+# with the queries per K/V read while oneDNN's GEMMs do not, so the crossover
+# is where that reaches the reference: at 8k keys, SmolLM2's heads, one
+# thread, fp32 won still at 16 queries (208 vs 269 ms for 30 layers), bf16 at
+# 4 (63 vs 98 ms) but not at 9 (112 vs 92 ms): docs/bench_cpu_attention.md.
+MAX_QUERIES = {torch.float32: 16, torch.bfloat16: 4}
 
 # Keys per work item. Fixed in logical positions, not chosen from the batch,
 # so that a sequence's output bits do not depend on what shares its step; 512
@@ -120,12 +123,12 @@ def paged_attention(
         )
     q = q.contiguous()
     out = torch.empty_like(q)
-    lens = meta.query_lens_list
-    if min(lens) <= MAX_QUERIES:
+    lens, limit = meta.query_lens_list, MAX_QUERIES[q.dtype]
+    if min(lens) <= limit:
         _op()(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            scale, sliding_window, MAX_QUERIES, SPLIT, out,
+            scale, sliding_window, limit, SPLIT, out,
         )
-    if max(lens) > MAX_QUERIES:
-        reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=MAX_QUERIES)
+    if max(lens) > limit:
+        reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=limit)
     return out

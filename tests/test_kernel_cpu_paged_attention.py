@@ -72,7 +72,8 @@ def case_id(c) -> str:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_naive(case, dtype, split, monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "SPLIT", split)
-    monkeypatch.setattr(cpu_paged_attention, "MAX_QUERIES", 16)  # the 17- and 20-query chunks take the reference
+    # Up to 16 queries here in both dtypes; the 17- and 20-query chunks take the reference.
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
     q, k_cache, v_cache, meta = build(case, dtype)
     scale = case[2] ** -0.5
     got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
@@ -84,7 +85,7 @@ def test_matches_naive(case, dtype, split, monkeypatch):
 @pytest.mark.parametrize("max_queries", [1, 4])
 def test_longer_sequences_go_to_the_reference(max_queries, monkeypatch):
     """Below the threshold the kernel, above it the reference, in one step."""
-    monkeypatch.setattr(cpu_paged_attention, "MAX_QUERIES", max_queries)
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, torch.float32, max_queries)
     case = CASES[1]
     q, k_cache, v_cache, meta = build(case, torch.float32)
     got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
@@ -104,6 +105,7 @@ def test_bits_do_not_depend_on_placement_or_batch(dtype, window, monkeypatch):
     """A sequence's output is bit-identical wherever its pages lie and
     whatever shares its step (splits are logical, never chosen by load)."""
     monkeypatch.setattr(cpu_paged_attention, "SPLIT", 32)
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
     page_size, hq, hkv, d, seq_len = 4, 6, 2, 32, 150
     g = torch.Generator().manual_seed(3)
     k = torch.randn(hkv, seq_len, d, generator=g).to(dtype)
