@@ -16,7 +16,7 @@ steps timed, old and new paths alternating per repeat.
 
     python -m experiments.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
         [--dtypes float32,bfloat16] [--queries 1] [--repeats 7]
-        [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode]
+        [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode] [--skip-attention]
 
 Writes runs/bench_cpu_attention-<time>/{results.json, report.txt}.
 """
@@ -128,8 +128,8 @@ def decode_ms(session, vocab: int, tokens: int, gen: torch.Generator) -> float:
 
 def bench_decode(args) -> list[dict]:
     from engine import Engine
-    from experiments.common import random_model
-    from model.default import default_model_dir
+    from model.default import default_model_dir, random_init
+    from model.llama import Transformer
     from model.loader import load_model
 
     gen = torch.Generator().manual_seed(1)
@@ -143,7 +143,8 @@ def bench_decode(args) -> list[dict]:
             else:
                 shape = dict(SHAPES[name])
                 shape["max_position_embeddings"] = max(shape["max_position_embeddings"], max(args.decode_contexts) + 64)
-                model = random_model(name, getattr(torch, dtype))
+                model = Transformer(ModelConfig.from_hf(shape), getattr(torch, dtype))
+                random_init(model, 0)
             engine = Engine(model, None, page_size=args.page_size, kv_cache_bytes=args.kv_gb << 30)
             vocab = model.cfg.vocab_size
             session = engine.session()
@@ -181,14 +182,15 @@ def main() -> None:
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--kv-gb", type=int, default=2)
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
     args = p.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
     args.decode_contexts = [int(c) for c in args.decode_contexts.split(",")]
     if not cpu_paged_attention.available():
-        raise SystemExit(f"the C++ kernel is not available: {cpu_paged_attention._build.get('error')}")
+        raise SystemExit(f"the C++ kernel is not available: {cpu_paged_attention.build_error()}")
     out = run_dir("bench_cpu_attention")
-    res = {"args": vars(args), "machine": machine(), "attention": bench_attention(args)}
+    res = {"args": vars(args), "machine": machine(), "attention": [] if args.skip_attention else bench_attention(args)}
     text = table(
         ["dtype", "context", "threads", "K/V MB", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
          "cpp / read"],
