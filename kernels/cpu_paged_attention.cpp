@@ -229,9 +229,9 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
     // loads stalled on memory without it.
     for (int64_t ahead = start + kPrefetchKeys, end = std::min(key_hi, ahead + kLanes); ahead < end; ++ahead) {
       int64_t page, slot;
-      if (one_page) {
+      if (one_page) {  // the tile ahead lies in one page too
         page = table[(start + kPrefetchKeys) / page_size];
-        slot = tile_slot + (ahead - start - kPrefetchKeys);
+        slot = (start + kPrefetchKeys) % page_size + (ahead - start - kPrefetchKeys);
       } else {
         page = table[ahead / page_size];
         slot = ahead % page_size;
