@@ -1,53 +1,64 @@
-"""Kernel ops with one torch reference and one Triton implementation each.
+"""Kernel ops with one torch reference and one Triton implementation each
+(kernels/triton_<op>.py), plus a C++ CPU kernel for decode/verify attention.
 
-Dispatch by device: CUDA tensors run Triton, CPU tensors run the torch
-reference. ``AGENTKV_KERNELS=torch`` or ``=triton`` forces either (Triton on a
-CPU needs ``TRITON_INTERPRET=1`` set before triton is imported).
+Dispatch by device: CUDA tensors run Triton; CPU tensors run the torch
+reference, except paged attention, which runs kernels/cpu_paged_attention.py
+when its extension builds (the reference otherwise, with one warning).
+``AGENTKV_KERNELS=torch`` or ``=triton`` forces either (Triton on a CPU needs
+``TRITON_INTERPRET=1`` set before triton is imported).
 """
 from __future__ import annotations
 
 import importlib
 import os
-import sys
-import types
+import warnings
 
 import torch
 
-from kernels import reference
+from kernels import cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 
 __all__ = ["AttnMetadata", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_drafts", "use_triton"]
-_OPS = frozenset(__all__) - {"AttnMetadata", "use_triton"}
 
 
-class _Package(types.ModuleType):
-    """Importing the Triton module kernels.<op> binds it as the package's
-    attribute <op>, which would replace the dispatcher of the same name for
-    every later caller; the dispatchers keep their names."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _OPS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def use_triton(t: torch.Tensor) -> bool:
+def _mode() -> str:
     mode = os.environ.get("AGENTKV_KERNELS", "auto")
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"AGENTKV_KERNELS must be auto, torch or triton, not {mode!r}")
+    return mode
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    mode = _mode()
     return mode == "triton" or (mode == "auto" and t.is_cuda)
+
+
+_warned: list[str] = []
+
+
+def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    if _mode() != "auto" or not cpu_paged_attention.supports(q, k_cache):
+        return False
+    if cpu_paged_attention.available():
+        return True
+    if not _warned:
+        _warned.append(cpu_paged_attention.build_error())
+        warnings.warn(f"CPU attention runs the slower torch reference: {_warned[0]}", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _triton(module: str, name: str):
     # Imported on first use so that a CPU-only run never imports triton.
-    return getattr(importlib.import_module(f"kernels.{module}"), name)
+    return getattr(importlib.import_module(f"kernels.triton_{module}"), name)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
-    impl = _triton("paged_attention", "paged_attention") if use_triton(q) else reference.paged_attention
+    if use_triton(q):
+        impl = _triton("paged_attention", "paged_attention")
+    elif _use_cpu_attention(q, k_cache):
+        impl = cpu_paged_attention.paged_attention
+    else:
+        impl = reference.paged_attention
     return impl(q, k_cache, v_cache, meta, scale, sliding_window)
 
 

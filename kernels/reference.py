@@ -217,13 +217,32 @@ def paged_attention(
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
     at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
+    out = torch.empty_like(q)
+    paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window)
+    return out
+
+
+def paged_attention_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+    longer_than: int = 0,
+) -> None:
+    """paged_attention into out's rows of the sequences with more than
+    longer_than queries (another kernel does the rest)."""
     plan = meta.torch_plans.get(sliding_window)
     if plan is None:
         plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
     k_flat, v_flat = _by_head(k_cache), _by_head(v_cache)
-    out = torch.empty_like(q)
     start = 0
     for q_len, (blocks, mask) in zip(meta.query_lens_list, plan):
+        if q_len <= longer_than:
+            start += q_len
+            continue
         qi = q[start : start + q_len]
         k_parts, v_parts = _pieces(k_flat, blocks), _pieces(v_flat, blocks)
         if mask is None and q_len <= FEW_QUERIES:
@@ -238,6 +257,36 @@ def paged_attention(
                 )
                 out[start : start + q_len] = oi[0].transpose(0, 1)
         start += q_len
+
+
+def naive_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The oracle of paged_attention and the CPU kernel, in float64: each query
+    on its own, its visible keys gathered slot by slot through the block table,
+    one plain softmax. Slow; for tests."""
+    num_q_heads = q.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    tables = meta.block_tables.tolist()
+    cu = meta.cu_seqlens_q.tolist()
+    for i, s_len in enumerate(meta.seq_lens_list):
+        for t in range(cu[i], cu[i + 1]):
+            pos = s_len - (cu[i + 1] - t)
+            lo = max(0, pos - sliding_window + 1) if sliding_window > 0 else 0
+            keys = range(lo, pos + 1)
+            pages = [tables[i][p // meta.page_size] for p in keys]
+            slots = [p % meta.page_size for p in keys]
+            k = k_cache[pages, slots].double()  # [n, Hkv, D]
+            v = v_cache[pages, slots].double()
+            group = num_q_heads // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            probs = (torch.einsum("hd,nhd->hn", q[t].double(), k) * scale).softmax(-1)
+            out[t] = torch.einsum("hn,nhd->hd", probs, v)
     return out
 
 

@@ -142,7 +142,7 @@ def sdpa_fn(q, k, v, delta: int, scale: float, expand: bool) -> Callable[[], tor
 
 
 def bench_attention_case(batch: int, delta: int, cached: int) -> dict:
-    from kernels.paged_attention import _num_splits, _tile_sizes, paged_attention
+    from kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
 
     heads, head_dim = (32, 8), 128
     seq_len = cached + delta
@@ -239,7 +239,7 @@ def _pair(ours: Callable, ref: Callable, bytes_moved: int) -> dict:
 def micro_rope() -> list[dict]:
     from kernels import reference
     from kernels.metadata import AttnMetadata
-    from kernels.rope_and_store import rope_and_store
+    from kernels.triton_rope_and_store import rope_and_store
 
     rows = []
     hq, hkv, d, ps = 32, 8, 128, 16
@@ -268,7 +268,7 @@ def micro_rope() -> list[dict]:
 
 def micro_rmsnorm() -> list[dict]:
     from kernels import reference
-    from kernels.rmsnorm import rmsnorm
+    from kernels.triton_rmsnorm import rmsnorm
 
     rows = []
     dim = 4096
@@ -285,7 +285,7 @@ def micro_rmsnorm() -> list[dict]:
 
 def micro_copy_pages() -> list[dict]:
     from kernels import reference
-    from kernels.copy_pages import copy_pages
+    from kernels.triton_copy_pages import copy_pages
 
     rows = []
     layers, pages, ps, hkv, d = 32, 1024, 16, 8, 128
@@ -302,7 +302,7 @@ def micro_copy_pages() -> list[dict]:
 
 def micro_verify() -> list[dict]:
     from kernels import reference
-    from kernels.verify_drafts import verify_drafts
+    from kernels.triton_verify_drafts import verify_drafts
 
     rows = []
     vocab, k = 128256, 8

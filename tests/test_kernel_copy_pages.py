@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.copy_pages import copy_pages
+from kernels.triton_copy_pages import copy_pages
 
 # (layers, pages, page_size, kv heads, head_dim, copies); the last page is
 # 32 * 4 * 64 elements, more than one program's block.

@@ -1,10 +1,11 @@
-"""The dispatch seam: kernels.<op> routes to the Triton module of the same
-name, and importing that module does not replace the dispatcher."""
+"""The dispatch seam: kernels.<op> routes to the Triton module
+kernels.triton_<op>, and importing that module leaves the dispatcher alone."""
 from __future__ import annotations
 
 import importlib
 import types
 
+import pytest
 import torch
 
 import kernels
@@ -15,9 +16,16 @@ OPS = ["paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_dra
 
 def test_importing_triton_modules_keeps_dispatchers():
     for op in OPS:
-        module = importlib.import_module(f"kernels.{op}")
-        assert isinstance(module, types.ModuleType)
+        module = importlib.import_module(f"kernels.triton_{op}")
+        assert isinstance(module, types.ModuleType) and callable(getattr(module, op))
         assert callable(getattr(kernels, op)) and not isinstance(getattr(kernels, op), types.ModuleType)
+    assert type(kernels) is types.ModuleType  # no module-class override
+
+
+def test_bad_kernels_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("AGENTKV_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="AGENTKV_KERNELS"):
+        kernels.rmsnorm(torch.ones(1, 4), torch.ones(4), 1e-6)
 
 
 def test_forced_triton_matches_reference(monkeypatch, device):

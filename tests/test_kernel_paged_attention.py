@@ -6,7 +6,7 @@ import torch
 
 from kernels import reference
 from kernels.metadata import AttnMetadata
-from kernels.paged_attention import _num_splits, _tile_sizes, paged_attention
+from kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
 
 # (id, page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window)
 # Each batch mixes decode (Δ=1), empty caches, caches shorter than a page, chunks

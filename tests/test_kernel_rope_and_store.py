@@ -6,7 +6,7 @@ import torch
 
 from kernels import reference
 from kernels.metadata import AttnMetadata
-from kernels.rope_and_store import rope_and_store
+from kernels.triton_rope_and_store import rope_and_store
 
 # (id, page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)])
 CASES = [

@@ -1,0 +1,216 @@
+"""CPU decode attention over the paged KV pool: the torch reference (page-run
+matmuls) against the in-place C++ kernel (kernels/cpu_paged_attention.py), as
+attention-only time and effective GB/s of the K/V read next to a plain memory
+read measured in the same run; then decode ms/token of whole models, old path
+(AGENTKV_KERNELS=torch) against new.
+
+Attention: one sequence at each --contexts length in a pool of --layers
+layers (the SmolLM2-135M shape's heads by default), so that a step's K/V
+(all layers) is far larger than the caches, as in a model; a step is
+attention over every layer for --queries new tokens (1: decode, k+1: verify).
+Memory read: torch's sum over a 1 GiB fp32 buffer, same threads.
+
+Decode: a random-init --shape model and the embedded models/agent-8m, one
+session grown to each --decode-contexts length, --decode-tokens single-token
+steps timed, old and new paths alternating per repeat.
+
+    python -m experiments.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
+        [--dtypes float32,bfloat16] [--queries 1] [--repeats 7]
+        [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode] [--skip-attention]
+
+Writes runs/bench_cpu_attention-<time>/{results.json, report.txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+from cache.pool import PagePool
+from experiments.common import SHAPES, machine, median, run_dir
+from experiments.report import table, write_json
+from kernels import cpu_paged_attention, reference
+from kernels.metadata import AttnMetadata
+from model.config import ModelConfig
+
+PATHS = {"torch": reference.paged_attention, "cpp": cpu_paged_attention.paged_attention}
+
+
+def read_bandwidth(repeats: int) -> float:
+    """GB/s of a plain streaming read (sum of 1 GiB of fp32)."""
+    buf = torch.ones(1 << 28)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / median(times) / 1e9
+
+
+def attention_case(cfg: ModelConfig, dtype: torch.dtype, context: int, num_q: int, layers: int, page_size: int,
+                   placement: str, gen: torch.Generator):
+    num_pages = -(-context // page_size) + 1
+    pool = PagePool(layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype)
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
+    pages = list(range(num_pages - 1))
+    if placement == "random":
+        pages = torch.randperm(num_pages, generator=gen)[: num_pages - 1].tolist()
+    meta = AttnMetadata.build([num_q], [context], [pages], page_size)
+    q = torch.randn(num_q, cfg.num_heads, cfg.head_dim, generator=gen).to(dtype)
+    return pool, meta, q
+
+
+def time_attention(impl, pool: PagePool, meta: AttnMetadata, q: torch.Tensor, scale: float) -> float:
+    t = time.perf_counter()
+    for layer in range(pool.kv.shape[0]):
+        impl(q, pool.kv[layer, 0], pool.kv[layer, 1], meta, scale)
+    return time.perf_counter() - t
+
+
+def bench_attention(args) -> list[dict]:
+    cfg = ModelConfig.from_hf(SHAPES[args.shape])
+    gen = torch.Generator().manual_seed(0)
+    scale = cfg.head_dim**-0.5
+    rows = []
+    cases = [(d, c, n) for d in args.dtypes.split(",") for c in args.contexts for n in args.threads]
+    for dtype_name, context, threads in tqdm(cases, desc="attention"):
+        torch.set_num_threads(threads)
+        dtype = getattr(torch, dtype_name)
+        pool, meta, q = attention_case(cfg, dtype, context, args.queries, args.layers, args.page_size,
+                                       args.placement, gen)
+        kv_bytes = args.layers * 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        mem = read_bandwidth(args.repeats)
+        times = {p: [] for p in PATHS}
+        for impl in PATHS.values():
+            time_attention(impl, pool, meta, q, scale)  # warm-up (and the first build of the extension)
+        for _ in range(args.repeats):
+            for p, impl in PATHS.items():
+                times[p].append(time_attention(impl, pool, meta, q, scale))
+        row = {"dtype": dtype_name, "context": context, "threads": threads, "read_GBps": mem, "kv_MB": kv_bytes / 1e6}
+        for p in PATHS:
+            t = median(times[p])
+            row[f"{p}_ms"] = t * 1e3
+            row[f"{p}_GBps"] = kv_bytes / t / 1e9
+        rows.append(row)
+        del pool
+    return rows
+
+
+@contextlib.contextmanager
+def kernels_mode(mode: str):
+    old = os.environ.get("AGENTKV_KERNELS")
+    os.environ["AGENTKV_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["AGENTKV_KERNELS"]
+        else:
+            os.environ["AGENTKV_KERNELS"] = old
+
+
+def decode_ms(session, vocab: int, tokens: int, gen: torch.Generator) -> float:
+    """ms per token of `tokens` single-token steps, the session cut back after."""
+    start = len(session)
+    ids = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+    t = time.perf_counter()
+    for tok in ids:
+        session.append([tok])
+    seconds = time.perf_counter() - t
+    session.truncate(start)
+    return seconds / tokens * 1e3
+
+
+def bench_decode(args) -> list[dict]:
+    from engine import Engine
+    from model.default import default_model_dir, random_init
+    from model.llama import Transformer
+    from model.loader import load_model
+
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    models = [(args.shape, d) for d in args.dtypes.split(",")] + [("agent-8m", d) for d in args.dtypes.split(",")]
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, dtype in models:
+            if name == "agent-8m":
+                model = load_model(default_model_dir(), dtype)
+            else:
+                shape = dict(SHAPES[name])
+                shape["max_position_embeddings"] = max(shape["max_position_embeddings"], max(args.decode_contexts) + 64)
+                model = Transformer(ModelConfig.from_hf(shape), getattr(torch, dtype))
+                random_init(model, 0)
+            engine = Engine(model, None, page_size=args.page_size, kv_cache_bytes=args.kv_gb << 30)
+            vocab = model.cfg.vocab_size
+            session = engine.session()
+            for context in args.decode_contexts:
+                while len(session) < context:
+                    session.append(torch.randint(0, vocab, (min(2048, context - len(session)),), generator=gen).tolist())
+                times = {"torch": [], "auto": []}
+                for mode in times:
+                    with kernels_mode(mode):
+                        decode_ms(session, vocab, 2, gen)  # warm-up
+                for _ in range(args.decode_repeats):
+                    for mode in times:
+                        with kernels_mode(mode):
+                            times[mode].append(decode_ms(session, vocab, args.decode_tokens, gen))
+                old, new = median(times["torch"]), median(times["auto"])
+                rows.append({"model": name, "dtype": dtype, "threads": threads, "context": context,
+                             "old_ms": old, "new_ms": new, "new_tok_s": 1e3 / new})
+            session.close()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", choices=list(SHAPES))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--contexts", default="4096,8192,16384")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--queries", type=int, default=1, help="new tokens per sequence in the attention step")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--placement", default="consecutive", choices=["consecutive", "random"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--decode-contexts", default="8192")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--kv-gb", type=int, default=2)
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
+    args = p.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.decode_contexts = [int(c) for c in args.decode_contexts.split(",")]
+    if not cpu_paged_attention.available():
+        raise SystemExit(f"the C++ kernel is not available: {cpu_paged_attention.build_error()}")
+    out = run_dir("bench_cpu_attention")
+    res = {"args": vars(args), "machine": machine(), "attention": [] if args.skip_attention else bench_attention(args)}
+    text = table(
+        ["dtype", "context", "threads", "K/V MB", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
+         "cpp / read"],
+        [[r["dtype"], r["context"], r["threads"], r["kv_MB"], r["read_GBps"], r["torch_ms"], r["torch_GBps"],
+          r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}"] for r in res["attention"]],
+    )
+    print(text)
+    if not args.skip_decode:
+        res["decode"] = bench_decode(args)
+        decode_text = table(
+            ["model", "dtype", "threads", "context", "old ms/token", "new ms/token", "new tokens/s"],
+            [[r["model"], r["dtype"], r["threads"], r["context"], r["old_ms"], r["new_ms"], r["new_tok_s"]]
+             for r in res["decode"]],
+        )
+        print(decode_text)
+        text += "\n\n" + decode_text
+    write_json(out / "results.json", res)
+    (out / "report.txt").write_text(text + "\n")
+    print(f"wrote {out}/results.json and report.txt")
+
+
+if __name__ == "__main__":
+    main()

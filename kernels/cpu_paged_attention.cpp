@@ -1,0 +1,405 @@
+// CPU attention of a few queries per sequence (a decode step, a k+1 verify)
+// over the paged KV pool, read in place: flash-decoding over each sequence's
+// pages, every K/V page read once per step by all query heads of its KV head.
+//
+// Work items are (sequence, KV head, key split). A split is a fixed run of
+// LOGICAL key positions [c * split, (c + 1) * split), whatever the batch or the
+// thread count, and splits are merged in order: a sequence's result depends on
+// its own keys only, not on where its pages lie or what shares its step.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// GCC vector extensions: one 16-lane fp32 vector, AVX512 registers where the
+// CPU has them (compiled with -march=native), pairs of AVX2 ones elsewhere.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+constexpr int kLanes = 16;  // keys per tile: one score vector per row
+constexpr int64_t kPrefetchKeys = 2 * kLanes;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v16f splat(float x) { return v16f{} + x; }
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const uint16_t* p) {  // bf16 is the top half of an fp32
+#ifdef __AVX512F__
+  // GCC lowers the generic widening to two 256-bit halves and an insert,
+  // which made the bf16 kernel half as fast as the fp32 one.
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (v16f)_mm512_slli_epi32(wide, 16);
+#else
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+#endif
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {
+  c10::BFloat16 b(x);  // round to nearest even, as torch's .to(bfloat16)
+  std::memcpy(dst, &b, 2);
+}
+
+inline float hmax(v16f v) {
+  v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v > __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) ? v : __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+inline float hsum(v16f v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// Lane i of the result is the sum of a[i]'s lanes: 16 horizontal sums in 15
+// shuffle pairs, where one at a time would take 16 x 4.
+inline v16f transpose_sum(v16f* a) {
+  for (int i = 0; i < 16; i += 2)
+    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+               __builtin_shufflevector(a[i], a[i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  for (int i = 0; i < 8; i += 2)
+    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(a[i], a[i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  for (int i = 0; i < 4; i += 2)
+    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[i], a[i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), 0 below -87: 2^(x log2 e)
+// split into 2^n 2^f with |f| <= 1/2 and 2^f by its Taylor series to degree 7
+// (relative error < 1e-8 before rounding). libm's expf does not vectorize.
+inline v16f exp_nonpositive(v16f x) {
+  const v16i underflow = x < -87.0f;
+  x = underflow ? splat(-87.0f) : x;  // -inf included: keeps the int conversion defined
+  const v16f t = x * 1.44269504088896341f;
+  const v16f r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const v16f f = (t - r) * 0.69314718055994531f;
+  const v16f p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f +
+                 f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
+  const v16f scale = (v16f)((__builtin_convertvector(r, v16i) + 127) << 23);
+  return underflow ? splat(0.0f) : p * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+inline int64_t acc_offset(int64_t rows) { return (2 * rows + kLanes - 1) / kLanes * kLanes; }
+
+struct Strides {
+  int64_t page, slot, head;  // of a K (or V) cache [P, page_size, Hkv, D]
+};
+
+// Rows processed together: each key and value vector loaded from the tile is
+// used by all of them, their outputs stay in registers (at most 16 of them).
+template <int NV>
+constexpr int kRowBlock = NV <= 4 ? 4 : (NV <= 5 ? 3 : 2);
+
+struct TileMask {
+  bool on;  // whether any lane of the tile is hidden from some row
+  int64_t first_pos, group, start, n, window;
+};
+
+// Rows [r0, r0 + RB) over one tile of 16 keys and values, read (and
+// converted to fp32) straight from their pages: scores, the online-softmax
+// update of (m, l), and the outputs a.
+template <typename T, int NV, int RB>
+inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v16f* a, float* m, float* l,
+                      int64_t r0, const TileMask& mask) {
+  v16f q[RB][NV], dots[RB][kLanes];
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < NV; ++w) q[r][w] = qf[(r0 + r) * NV + w];
+  for (int i = 0; i < kLanes; ++i) {
+    v16f kk[NV];
+    for (int w = 0; w < NV; ++w) kk[w] = load16(kp[i] + w * kLanes);
+    for (int r = 0; r < RB; ++r) {
+      v16f d = q[r][0] * kk[0];
+      for (int w = 1; w < NV; ++w) d += q[r][w] * kk[w];
+      dots[r][i] = d;
+    }
+  }
+  v16f p[RB], o[RB][NV];
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int r = 0; r < RB; ++r) {
+    const int64_t row = r0 + r;
+    for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
+    v16f s = transpose_sum(dots[r]);
+    if (mask.on) {
+      const int64_t pos = mask.first_pos + row / mask.group;
+      const v16i key = lane + int32_t(mask.start);
+      v16i visible = (key <= int32_t(pos)) & (lane < int32_t(mask.n));
+      if (mask.window > 0) visible &= key > int32_t(pos - mask.window);
+      s = visible ? s : splat(kNegInf);
+    }
+    const float mx = hmax(s);
+    if (mx == kNegInf) {  // nothing visible to this row in this tile
+      p[r] = v16f{};
+      continue;
+    }
+    if (mx > m[row]) {
+      const float alpha = exp_nonpositive(m[row] - mx);  // 0 from -inf
+      for (int w = 0; w < NV; ++w) o[r][w] *= alpha;
+      l[row] *= alpha;
+      m[row] = mx;
+    }
+    p[r] = exp_nonpositive(s - m[row]);
+    l[row] += hsum(p[r]);
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    v16f vv[NV];
+    for (int w = 0; w < NV; ++w) vv[w] = load16(vp[i] + w * kLanes);
+    for (int r = 0; r < RB; ++r) {
+      const float pi = p[r][i];
+      for (int w = 0; w < NV; ++w) o[r][w] += pi * vv[w];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < NV; ++w) a[(r0 + r) * NV + w] = o[r][w];
+}
+
+// One work item: rows (query j, group head g) as r = j * G + g, over the keys
+// [key_lo, key_hi) of one KV head, leaving its running max, sum and unnormalised
+// output (m, l, acc[D]) per row in part. Keys go in tiles of 16 logical
+// positions (across pages when pages are smaller): per row, one vector of 16
+// scores, one online-softmax update, 16 value rows accumulated.
+template <typename T, int NV>
+void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k, const T* v,
+                  const Strides& ks, const Strides& vs, const int32_t* table, int64_t page_size, int64_t kv_head,
+                  int64_t group, int64_t num_q, int64_t first_pos, int64_t window, int64_t key_lo, int64_t key_hi,
+                  float scale, float* part, std::vector<v16f>& scratch) {
+  constexpr int64_t D = NV * kLanes;
+  const int64_t rows = group * num_q;
+  scratch.resize(rows * NV);
+  constexpr int RB = kRowBlock<NV>;
+  v16f* qf = scratch.data();            // [rows][NV] scaled queries in fp32
+  float* m = part;  // part (64-byte aligned): [rows] max, [rows] sum, then at acc_offset [rows, D] acc
+  float* l = part + rows;
+  v16f* a = reinterpret_cast<v16f*>(part + acc_offset(rows));
+  for (int64_t j = 0; j < num_q; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q + j * q_token_stride + (kv_head * group + g) * q_head_stride;
+      for (int w = 0; w < NV; ++w) qf[(j * group + g) * NV + w] = load16(src + w * kLanes) * scale;
+    }
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  for (int64_t i = 0; i < rows * NV; ++i) a[i] = v16f{};
+  const int64_t last_pos = first_pos + num_q - 1;
+  for (int64_t start = key_lo; start < key_hi; start += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, key_hi - start);
+    // A tile lies within one page when pages hold whole tiles (one table
+    // read per tile); smaller pages are looked up per key.
+    const bool one_page = page_size % kLanes == 0;
+    const int64_t tile_page = one_page ? table[start / page_size] : 0, tile_slot = start % page_size;
+    // Lanes past the tile's end read its first key: valid memory, masked.
+    const T* kp[kLanes];
+    const T* vp[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) {
+      int64_t page = tile_page, slot = tile_slot + (i < n ? i : 0);
+      if (!one_page) {
+        page = table[(start + (i < n ? i : 0)) / page_size];
+        slot = (start + (i < n ? i : 0)) % page_size;
+      }
+      kp[i] = k + page * ks.page + kv_head * ks.head + slot * ks.slot;
+      vp[i] = v + page * vs.page + kv_head * vs.head + slot * vs.slot;
+    }
+    // The tile after next, so that its reads overlap this tile's math: the
+    // loads stalled on memory without it.
+    for (int64_t ahead = start + kPrefetchKeys, end = std::min(key_hi, ahead + kLanes); ahead < end; ++ahead) {
+      int64_t page, slot;
+      if (one_page) {  // the tile ahead lies in one page too
+        page = table[(start + kPrefetchKeys) / page_size];
+        slot = (start + kPrefetchKeys) % page_size + (ahead - start - kPrefetchKeys);
+      } else {
+        page = table[ahead / page_size];
+        slot = ahead % page_size;
+      }
+      const char* kn = reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot);
+      const char* vn = reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot);
+      for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) {
+        __builtin_prefetch(kn + b);
+        __builtin_prefetch(vn + b);
+      }
+    }
+    // Only a tile past the first query's position, reaching below the last
+    // query's window, or cut short holds lanes some row must not see.
+    const bool masked =
+        start + kLanes - 1 > first_pos || (window > 0 && start <= last_pos - window) || n < kLanes;
+    const TileMask mask{masked, first_pos, group, start, n, window};
+    int64_t r = 0;
+    for (; r + RB <= rows; r += RB) tile_rows<T, NV, RB>(qf, kp, vp, a, m, l, r, mask);
+    switch (rows - r) {  // the last, shorter block of rows
+#define AGENTKV_ROWS(rb) \
+  case rb:               \
+    if constexpr (rb < RB) tile_rows<T, NV, rb>(qf, kp, vp, a, m, l, r, mask); \
+    break;
+      AGENTKV_ROWS(1) AGENTKV_ROWS(2) AGENTKV_ROWS(3)
+#undef AGENTKV_ROWS
+    }
+  }
+}
+
+template <typename T, int NV>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
+         const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
+         int64_t max_queries, int64_t split, at::Tensor& out) {
+  constexpr int64_t D = NV * kLanes;
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = q.size(1) / num_kv_heads;
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const Strides ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const Strides vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+
+  // Items in order (sequence, KV head, split); a window skips the splits
+  // wholly before its first query's first key, and the tiles before that
+  // key's within its split.
+  struct Item {
+    int64_t seq, head, key_lo, key_hi, part;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  int64_t part_floats = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    first_item[b] = items.size();
+    const int64_t num_q = cu[b + 1] - cu[b], s_len = lens[b];
+    TORCH_CHECK(num_q >= 1 && s_len >= num_q, "sequence ", b, ": bad lengths");
+    if (num_q > max_queries) continue;
+    const int64_t first_pos = s_len - num_q;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / kLanes * kLanes : 0;
+    const int64_t rows = group * num_q;
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t c = lo / split; c * split < s_len; ++c) {
+        items.push_back({b, h, std::max(lo, c * split), std::min(s_len, (c + 1) * split), part_floats});
+        part_floats += acc_offset(rows) + rows * D;
+      }
+  }
+  first_item[num_seqs] = items.size();
+  std::vector<v16f> part_vectors(part_floats / kLanes);
+  float* parts = reinterpret_cast<float*>(part_vectors.data());
+
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t qt = q.stride(0), qh = q.stride(1), ot = out.stride(0), oh = out.stride(1);
+  at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<v16f> scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
+      attend_split<T, NV>(qp + cu[it.seq] * qt, qt, qh, kp, vp, ks, vs, tables + it.seq * table_stride, page_size,
+                          it.head, group, num_q, lens[it.seq] - num_q, window, it.key_lo, it.key_hi, float(scale),
+                          parts + it.part, scratch);
+    }
+  });
+
+  // Merge each (sequence, KV head)'s splits in order. Every row sees at
+  // least its own key, so its largest max is finite.
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> ps;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+      const int64_t num_q = cu[b + 1] - cu[b];
+      if (num_q > max_queries) continue;
+      const int64_t rows = group * num_q, head = acc_offset(rows);
+      ps.clear();
+      for (int64_t i = first_item[b]; i < first_item[b + 1]; ++i)
+        if (items[i].head == h) ps.push_back(parts + items[i].part);
+      for (int64_t r = 0; r < rows; ++r) {
+        float mx = kNegInf;
+        for (const float* p : ps) mx = std::max(mx, p[r]);
+        float total = 0.0f;
+        v16f o[NV] = {};
+        for (const float* p : ps) {
+          const float w = exp_nonpositive(p[r] - mx);
+          total += w * p[rows + r];
+          const v16f* acc = reinterpret_cast<const v16f*>(p + head) + r * NV;
+          for (int x = 0; x < NV; ++x) o[x] += w * acc[x];
+        }
+        const float inv = 1.0f / total;
+        T* dst = op + (cu[b] + r / group) * ot + (h * group + r % group) * oh;
+        for (int64_t d = 0; d < D; ++d) store(dst + d, o[d / kLanes][d % kLanes] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
+             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
+             int64_t max_queries, int64_t split, at::Tensor& out) {
+  switch (q.size(2) / kLanes) {
+#define AGENTKV_DIM(nv) \
+  case nv:              \
+    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, max_queries, split, out);
+    AGENTKV_DIM(1) AGENTKV_DIM(2) AGENTKV_DIM(3) AGENTKV_DIM(4) AGENTKV_DIM(5) AGENTKV_DIM(6) AGENTKV_DIM(7)
+    AGENTKV_DIM(8)
+#undef AGENTKV_DIM
+  }
+}
+
+// Fills out's rows of every sequence with at most max_queries queries; the
+// rows of longer ones are left to the caller.
+void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                         double scale, int64_t window, int64_t max_queries, int64_t split, at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q [T, Hq, D], k_cache and v_cache [P, page_size, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, caches and out share one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and Hq be a multiple of Hkv");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && out.stride(2) == 1,
+              "head_dim must be the innermost, contiguous dimension");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.scalar_type() == at::kInt, "metadata tensors must be int32");
+  TORCH_CHECK(cu_seqlens_q.is_contiguous() && seq_lens.is_contiguous() && block_tables.stride(1) == 1,
+              "metadata tensors must be contiguous");
+  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 8 * kLanes, "head_dim must be a multiple of 16, at most 128");
+  TORCH_CHECK(split > 0 && split % kLanes == 0, "split must be a positive multiple of 16");
+  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
+              "one block table and one cu_seqlens_q entry per sequence");
+  if (q.scalar_type() == at::kFloat)
+    run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run_dim<uint16_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split,
+                      out);
+  else
+    TORCH_CHECK(false, "float32 or bfloat16 only, not ", q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(agentkv_cpu, m) {
+  m.def("paged_attention_few(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int window, int max_queries, int split, Tensor(a!) out) -> ()");
+  m.impl("paged_attention_few", c10::DispatchKey::CPU, &paged_attention_few);
+}

@@ -1,0 +1,134 @@
+"""CPU paged attention for decode and verify steps, reading the KV pool in place.
+
+The kernel (kernels/cpu_paged_attention.cpp) runs flash-decoding over each
+sequence's pages: parallel over (sequence, KV head, key split), an online
+softmax per row, all query heads of a KV head (and all k+1 queries of a
+verify) sharing each read of a K/V page, so a step reads its K/V once with no
+gather. Sequences with more than MAX_QUERIES queries in the step (prefill
+chunks, which are compute- rather than read-bound) go to the torch reference,
+whose oneDNN GEMMs are faster there.
+
+The extension is compiled on first use (torch.utils.cpp_extension, cached under
+TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions) for the CPU it runs on; a
+machine without a C++ compiler or ninja raises CpuKernelUnavailable here, and
+kernels.paged_attention falls back to the torch reference.
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+from kernels.metadata import AttnMetadata
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+# Sequences with at most this many queries in a step run here: decode (1) and
+# verify (k+1) steps; longer ones go to the reference. The kernel's work grows
+# with the queries per K/V read while oneDNN's GEMMs do not, so the crossover
+# is where that reaches the reference: at 8k keys, SmolLM2's heads, one
+# thread, fp32 won still at 16 queries (208 vs 269 ms for 30 layers), bf16 at
+# 4 (63 vs 98 ms) but not at 9 (112 vs 92 ms): docs/bench_cpu_attention.md.
+MAX_QUERIES = {torch.float32: 16, torch.bfloat16: 4}
+
+# Keys per work item. Fixed in logical positions, not chosen from the batch,
+# so that a sequence's output bits do not depend on what shares its step; 512
+# gives two busy cores enough items at 4k keys with 3 KV heads.
+SPLIT = 512
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ attention extension could not be built or loaded here."""
+
+
+_build: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    # -march=native code runs only on CPUs with the same features: the build
+    # is cached per feature set, so a shared cache never hands one CPU
+    # another's binary.
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _op():
+    if "op" in _build:
+        return _build["op"]
+    if "error" in _build:
+        raise CpuKernelUnavailable(_build["error"])
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=f"agentkv_cpu_attention_{_cpu_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+        _build["op"] = torch.ops.agentkv_cpu.paged_attention_few
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+        _build["error"] = f"building {SOURCE.name} failed (needs a C++ compiler and ninja): {e}"
+        raise CpuKernelUnavailable(_build["error"]) from e
+    return _build["op"]
+
+
+def build_error() -> str:
+    """Why the extension is not available ('' when it is, or not tried yet)."""
+    return str(_build.get("error", ""))
+
+
+def available() -> bool:
+    """Whether the extension is built (building it on the first call)."""
+    try:
+        _op()
+    except CpuKernelUnavailable:
+        return False
+    return True
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """CPU fp32/bf16, head_dim a multiple of 16 up to 128 (whole vectors of 16
+    lanes), contiguous within a head."""
+    head_dim = q.shape[-1]
+    return (
+        q.device.type == "cpu" and q.dtype in DTYPES and k_cache.dtype == q.dtype
+        and head_dim % 16 == 0 and head_dim <= 128 and k_cache.stride(3) == 1
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """reference.paged_attention's result: decode/verify sequences here, the
+    longer chunks of a mixed step by the reference."""
+    if not supports(q, k_cache):
+        raise ValueError(
+            f"CPU {DTYPES} tensors with a contiguous head_dim of 16, 32, ..., 128 only, not "
+            f"{q.device} {q.dtype} head_dim {q.shape[-1]}"
+        )
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lens, limit = meta.query_lens_list, MAX_QUERIES[q.dtype]
+    if min(lens) <= limit:
+        _op()(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            scale, sliding_window, limit, SPLIT, out,
+        )
+    if max(lens) > limit:
+        reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=limit)
+    return out

@@ -1,0 +1,177 @@
+"""The CPU decode/verify attention kernel (kernels/cpu_paged_attention.py)
+against the naive fp64 softmax oracle, over ragged batches, page boundaries,
+GQA ratios, sliding windows and both dtypes, with the split shrunk so that
+sequences span several splits and tiles straddle page and split edges."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_paged_attention, reference
+from kernels.metadata import AttnMetadata
+
+if not cpu_paged_attention.available():
+    pytest.skip(f"the C++ extension did not build: {cpu_paged_attention.build_error()}", allow_module_level=True)
+
+# (page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window, scattered pages)
+CASES = [
+    # decode steps, lengths on and off page and tile edges, MHA
+    (16, (2, 2), 16, [(1, 0), (1, 15), (1, 16), (1, 31), (1, 47)], 0, True),
+    # SmolLM2's heads; verify steps (k+1) next to decodes, a mixed step with a prefill chunk
+    (16, (9, 3), 64, [(1, 100), (5, 60), (17, 30), (16, 0), (3, 2)], 0, True),
+    # pages smaller than a tile: a tile reads several pages
+    (4, (8, 2), 64, [(1, 37), (4, 9), (2, 0), (9, 50)], 0, True),
+    (8, (4, 1), 128, [(1, 70), (7, 25)], 0, False),
+    # head_dim of 5 vectors, group of 5
+    (32, (10, 2), 80, [(1, 90), (6, 33), (1, 1)], 0, True),
+    # sliding windows: shorter than a tile, across splits, wider than the sequence
+    (16, (8, 2), 64, [(1, 100), (5, 40), (1, 3), (12, 70)], 5, True),
+    (4, (6, 3), 32, [(1, 130), (3, 64), (20, 10)], 37, True),
+    (16, (4, 2), 64, [(2, 20), (1, 9)], 64, False),
+]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def build(case, dtype: torch.dtype, seed: int = 0):
+    """A pool of random K/V (NaN in every slot no sequence owns, so a stray
+    read shows), the step's metadata and queries."""
+    page_size, (hq, hkv), d, spec, _, scattered = case
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in spec]
+    pages = [-(-s // page_size) for s in seq_lens]
+    total = sum(pages) + 3
+    order = torch.randperm(total, generator=g).tolist() if scattered else list(range(total))
+    tables, start = [], 0
+    for n in pages:
+        tables.append(order[start : start + n])
+        start += n
+    meta = AttnMetadata.build([q for q, _ in spec], seq_lens, tables, page_size)
+    # Head-major, as the pool stores it.
+    k_cache = torch.full((hkv, total, page_size, d), float("nan"), dtype=dtype).permute(1, 2, 0, 3)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for table, s_len in zip(tables, seq_lens):
+        pos = torch.arange(s_len)
+        slots = torch.tensor(table)[pos // page_size] * page_size + pos % page_size
+        reference._by_head(k_cache).index_copy_(1, slots, torch.randn(hkv, s_len, d, generator=g).to(dtype))
+        reference._by_head(v_cache).index_copy_(1, slots, torch.randn(hkv, s_len, d, generator=g).to(dtype))
+    q = torch.randn(sum(q for q, _ in spec), hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def case_id(c) -> str:
+    return f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'scattered' if c[5] else 'consecutive'}"
+
+
+@pytest.mark.parametrize("split", [16, 32, cpu_paged_attention.SPLIT], ids=lambda s: f"split{s}")
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_naive(case, dtype, split, monkeypatch):
+    monkeypatch.setattr(cpu_paged_attention, "SPLIT", split)
+    # Up to 16 queries here in both dtypes; the 17- and 20-query chunks take the reference.
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
+    q, k_cache, v_cache, meta = build(case, dtype)
+    scale = case[2] ** -0.5
+    got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
+    assert got.dtype == dtype and got.shape == q.shape and not got.isnan().any()
+    want = reference.naive_paged_attention(q, k_cache, v_cache, meta, scale, case[4])
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("max_queries", [1, 4])
+def test_longer_sequences_go_to_the_reference(max_queries, monkeypatch):
+    """Below the threshold the kernel, above it the reference, in one step."""
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, torch.float32, max_queries)
+    case = CASES[1]
+    q, k_cache, v_cache, meta = build(case, torch.float32)
+    got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    want = reference.naive_paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    start = 0
+    for q_len in meta.query_lens_list:
+        rows = slice(start, start + q_len)
+        if q_len > max_queries:  # the reference's own bits
+            assert torch.equal(got[rows], reference.paged_attention(q, k_cache, v_cache, meta, 0.125)[rows])
+        start += q_len
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("window", [0, 21])
+def test_bits_do_not_depend_on_placement_or_batch(dtype, window, monkeypatch):
+    """A sequence's output is bit-identical wherever its pages lie and
+    whatever shares its step (splits are logical, never chosen by load)."""
+    monkeypatch.setattr(cpu_paged_attention, "SPLIT", 32)
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
+    page_size, hq, hkv, d, seq_len = 4, 6, 2, 32, 150
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(hkv, seq_len, d, generator=g).to(dtype)
+    v = torch.randn(hkv, seq_len, d, generator=g).to(dtype)
+    n = -(-seq_len // page_size)
+    num_pages = 3 * n
+    rng = random.Random(0)
+    outs = []
+    for q_len in (1, 5):
+        q = torch.randn(q_len, hq, d, generator=g).to(dtype)
+        results = []
+        for placement in range(4):
+            table = list(range(n)) if placement == 0 else rng.sample(range(num_pages), n)
+            k_cache = torch.full((hkv, num_pages, page_size, d), float("nan"), dtype=dtype).permute(1, 2, 0, 3)
+            v_cache = torch.full_like(k_cache, float("nan"))
+            pos = torch.arange(seq_len)
+            slots = torch.tensor(table)[pos // page_size] * page_size + pos % page_size
+            reference._by_head(k_cache).index_copy_(1, slots, k)
+            reference._by_head(v_cache).index_copy_(1, slots, v)
+            free = [p for p in range(num_pages) if p not in table]
+            # Alone, then behind other sequences of other lengths (pages from the free ones).
+            others = [(3, 40, free[:10]), (1, 17, free[10:15])] if placement % 2 else []
+            q_all = torch.cat([torch.randn(a, hq, d, generator=g).to(dtype) for a, _, _ in others] + [q])
+            meta = AttnMetadata.build(
+                [a for a, _, _ in others] + [q_len], [b for _, b, _ in others] + [seq_len],
+                [t for _, _, t in others] + [table], page_size,
+            )
+            k_cache.nan_to_num_(0.0)  # the other sequences' slots hold zeros
+            v_cache.nan_to_num_(0.0)
+            results.append(cpu_paged_attention.paged_attention(q_all, k_cache, v_cache, meta, d**-0.5, window)[-q_len:])
+        for r in results[1:]:
+            assert torch.equal(r, results[0])
+        outs.append(results[0])
+    assert outs[0].shape == (1, hq, d) and outs[1].shape == (5, hq, d)
+
+
+def test_dispatch_runs_the_kernel_on_cpu_and_env_forces_the_reference(monkeypatch):
+    q, k_cache, v_cache, meta = build(CASES[1], torch.bfloat16)
+    kernel = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, meta, 0.125), kernel)
+    monkeypatch.setenv("AGENTKV_KERNELS", "torch")
+    forced = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.equal(forced, reference.paged_attention(q, k_cache, v_cache, meta, 0.125))
+    assert not torch.equal(forced, kernel)  # a different path, not the same bits by accident
+
+
+def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cpu_paged_attention, "_build", {"error": "building cpu_paged_attention.cpp failed: no g++"})
+    monkeypatch.setattr(kernels, "_warned", [])
+    q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
+    with pytest.warns(RuntimeWarning, match="no g\\+\\+"):
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.25))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    with pytest.raises(cpu_paged_attention.CpuKernelUnavailable, match="no g\\+\\+"):
+        cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.25)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(24, torch.float32), (64, torch.float16), (144, torch.float32)])
+def test_unsupported_shapes_are_refused_and_dispatched_to_the_reference(head_dim, dtype):
+    case = (4, (2, 1), head_dim, [(1, 5)], 0, False)
+    q, k_cache, v_cache, meta = build(case, dtype)
+    assert not cpu_paged_attention.supports(q, k_cache)
+    with pytest.raises(ValueError, match="head_dim"):
+        cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.1)
+    assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, meta, 0.1),
+                       reference.paged_attention(q, k_cache, v_cache, meta, 0.1))
