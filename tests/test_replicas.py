@@ -5,6 +5,8 @@ other from the shared state directory with the replies of an uninterrupted
 run; a missing router or a replica that cannot start is a clear error."""
 from __future__ import annotations
 
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -90,25 +92,41 @@ def test_every_turn_lands_on_its_sessions_replica(uninterrupted):
     assert len(uninterrupted) == 8 and all(len(v) == 4 for v in uninterrupted.values())
 
 
-def test_a_killed_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted):
+@pytest.mark.parametrize("loss", ["kill", "drain"])
+def test_a_lost_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted, loss):
+    """kill: SIGKILL between two turns. drain: a planned drain (out of the
+    router, then SIGTERM) while the sessions' next turns are in flight, which
+    the draining replica finishes."""
     with start(tmp_path) as c:
         histories = {s: [] for s in SESSIONS}
         first = run_turns(c.url, histories, slice(0, 2))
         victims = set(local_sessions(c.replica_urls[0]))
         assert victims
         stored = respond(c.replica_urls[0], "Say hello.", None)
-        c.kill(0)
-        rest = run_turns(c.url, histories, slice(2, None))
-        # A response stored on the dead replica is continued through the router by the survivor.
+        if loss == "kill":
+            c.kill(0)
+            rest = run_turns(c.url, histories, slice(2, None))
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                later = pool.submit(run_turns, c.url, histories, slice(2, None))
+                time.sleep(0.3)
+                c.drain(0)
+                rest = later.result()
+            # It shut down on its own (uvicorn re-raises the SIGTERM it handled), not SIGKILLed after a timeout.
+            assert c.replicas[0].proc.returncode == -signal.SIGTERM
+        # A response stored on the lost replica is continued through the router by the survivor.
         continued = respond(c.url, "And goodbye.", stored["id"])
         assert continued["usage"]["input_tokens_details"]["cached_tokens"] >= stored["usage"]["input_tokens"]
         survivor = local_sessions(c.replica_urls[1])
-        assert all(survivor[s] == 4 for s in SESSIONS)  # every session, the dead replica's too, is here now
+        assert all(survivor[s] == 4 for s in SESSIONS)  # every session, the lost replica's too, is here now
         assert restored_tokens(c.replica_urls[1]) > 0
     for s in victims:
-        # Its KV came back from the shared disk tier: the history was not recomputed.
-        before, now = first[s][1]["usage"], rest[s][0]["usage"]
-        assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
+        # Each turn held its history, on whichever replica it ran: after the
+        # move its KV came back from the shared disk tier, not recomputed.
+        turns = first[s] + rest[s]
+        for before, now in zip(turns, turns[1:]):
+            before, now = before["usage"], now["usage"]
+            assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
     for s in SESSIONS:
         assert [r["choices"][0]["message"]["content"] for r in first[s] + rest[s]] == uninterrupted[s]
 
