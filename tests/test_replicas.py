@@ -59,6 +59,11 @@ def respond(url: str, text: str, previous: str | None) -> dict:
     return r.json()
 
 
+def said(response: dict) -> list:
+    """What a response's output items say (their ids are its own)."""
+    return [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
+
+
 def local_sessions(replica_url: str) -> dict[str, int]:
     """The sessions a replica holds (the list takes nothing up from disk) and their turns."""
     return {s["id"]: len(s["turns"]) for s in httpx.get(replica_url + "/v1/sessions", timeout=30).json()["data"]}
@@ -129,6 +134,39 @@ def test_a_lost_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted, l
             assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
     for s in SESSIONS:
         assert [r["choices"][0]["message"]["content"] for r in first[s] + rest[s]] == uninterrupted[s]
+
+
+def test_a_responses_conversation_continues_on_either_replica(tmp_path):
+    """previous_response_id without an X-Session-Id: no router hashes it
+    (docs/scale.md), so a conversation's turns land on either replica, and
+    each continues from the record and KV the other saved, with the replies
+    of a conversation routed as the router likes; a stored response is read
+    and deleted through any replica."""
+    texts = ["Say hello.", "And goodbye.", "Once more, slowly.", "Now the last one."]
+    with start(tmp_path) as c:
+        hopping, routed = [], []
+        for k, text in enumerate(texts):
+            hopping.append(respond(c.replica_urls[k % 2], text, hopping[-1]["id"] if hopping else None))
+        for before, now in zip(hopping, hopping[1:]):
+            # Each turn ran where the one before it did not: the history came back from the shared disk tier.
+            held = before["usage"]["input_tokens"] + before["usage"]["output_tokens"] - 1
+            assert now["usage"]["input_tokens_details"]["cached_tokens"] >= held
+        assert all(restored_tokens(url) > 0 for url in c.replica_urls)
+        for text in texts:
+            routed.append(respond(c.url, text, routed[-1]["id"] if routed else None))
+        assert [said(r) for r in routed] == [said(r) for r in hopping]
+        for k, stored in enumerate(hopping):
+            got = httpx.get(f"{c.url}/v1/responses/{stored['id']}", timeout=30)
+            assert got.status_code == 200 and got.json() == stored
+            items = httpx.get(f"{c.url}/v1/responses/{stored['id']}/input_items", timeout=30)
+            assert items.status_code == 200 and texts[k] in items.text
+        gone = hopping[1]["id"]  # stored by replica 1, deleted through replica 0
+        assert httpx.delete(f"{c.replica_urls[0]}/v1/responses/{gone}", timeout=30).status_code == 200
+        for url in (c.url, *c.replica_urls):
+            assert httpx.get(f"{url}/v1/responses/{gone}", timeout=30).status_code == 404
+            r = httpx.post(url + "/v1/responses", timeout=30,
+                           json={"model": MODEL, "input": "Still there?", "previous_response_id": gone})
+            assert r.status_code == 404
 
 
 def test_a_missing_router_is_a_clear_error(tmp_path, monkeypatch):
