@@ -28,8 +28,10 @@ job), the prefix-cache hit rate of each replica and of all
 (vllm:prefix_cache_hits_total / queries: tokens), prompt tokens computed,
 sessions held by more than one replica (moved), and for the kill: the
 sessions the dead replica held, the time from the kill to the first turn
-of one of them completed on the survivor (recovery), and the prompt tokens
-computed beyond the uninterrupted affinity run (recomputed).
+of one of them completed on the survivor (recovery; for a drain, of the
+first turn sent after the drain began: those in flight finish on the
+draining replica), and the prompt tokens computed beyond the uninterrupted
+affinity run (recomputed).
 
     python -m experiments.bench_replicas [--agents 8] [--turns-per-agent 4] [--max-tokens 32] \\
         [--pause-scale 0.25] [--setups one,affinity,round_robin,kill,drain,responses_affinity,responses_any] [--seed 0]
@@ -142,8 +144,11 @@ def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
            "records": records_json(records)}
     if loss:
         victims = killed.get("victims", set())
+        at = killed.get("at", float("inf"))
+        # Recovery: a kill's turns in flight fail and are sent again (the client's retry), to the survivor; a
+        # drain's finish where they were, so its recovery is that of the first turn sent after it began.
         first = [end for agent, start, end, ok in calls.log
-                 if ok and calls.session(agent) in victims and end > killed.get("at", float("inf"))]
+                 if ok and calls.session(agent) in victims and end > at and (loss == "kill" or start > at)]
         # An agent's calls are its turns in order: those of a victim not ended at the kill ran on the survivor.
         after_kill = {a.agent: sum(1 for agent, _, end, _ in calls.log if agent == a.agent and end <= killed["at"])
                       for a in records if calls.session(a.agent) in victims}
