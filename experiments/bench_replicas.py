@@ -9,7 +9,17 @@ per replica:
 - 2 replicas, round_robin: the ablation, turns alternate between replicas;
 - 2 replicas, consistent_hash, replica 0 killed (SIGKILL) once half of the
   planned turns are done: its sessions continue on the other from the
-  shared state directory.
+  shared state directory;
+- the same with a planned drain of replica 0 instead (Cluster.drain: out of
+  the router, then SIGTERM; its turns in flight finish there).
+
+and the Responses API on 2 replicas: each agent's job as one conversation
+chained by previous_response_id (the shared system prompt as instructions,
+the task, then each tool result as the next turn's input), with the agent's
+X-Session-Id (responses_affinity) and without one (responses_any: the
+router hashes the body, so a turn lands on either replica, which continues
+from the record and KV the other saved). What the second costs is the
+turns' latency and the KV restored from the shared disk tier.
 
 The KV pool of every replica holds the whole working set, so hits and
 misses are the routing's, not eviction's. Reported per set-up: per-turn
@@ -18,11 +28,13 @@ job), the prefix-cache hit rate of each replica and of all
 (vllm:prefix_cache_hits_total / queries: tokens), prompt tokens computed,
 sessions held by more than one replica (moved), and for the kill: the
 sessions the dead replica held, the time from the kill to the first turn
-of one of them completed on the survivor (recovery), and the prompt tokens
-computed beyond the uninterrupted affinity run (recomputed).
+of one of them completed on the survivor (recovery; for a drain, of the
+first turn sent after the drain began: those in flight finish on the
+draining replica), and the prompt tokens computed beyond the uninterrupted
+affinity run (recomputed).
 
     python -m experiments.bench_replicas [--agents 8] [--turns-per-agent 4] [--max-tokens 32] \\
-        [--pause-scale 0.25] [--setups one,affinity,round_robin,kill] [--seed 0]
+        [--pause-scale 0.25] [--setups one,affinity,round_robin,kill,drain,responses_affinity,responses_any] [--seed 0]
 """
 from __future__ import annotations
 
@@ -43,10 +55,13 @@ from experiments.drivers.servers import free_port, scrape_metrics
 from experiments.drivers.system import ROOT
 from experiments.report import publish, table
 
-SETUPS = {"one": (1, "consistent_hash", False), "affinity": (2, "consistent_hash", False),
-          "round_robin": (2, "round_robin", False), "kill": (2, "consistent_hash", True)}
+# name: replicas, router policy, what happens to replica 0 half-way (None, "kill", "drain")
+SETUPS = {"one": (1, "consistent_hash", None), "affinity": (2, "consistent_hash", None),
+          "round_robin": (2, "round_robin", None), "kill": (2, "consistent_hash", "kill"),
+          "drain": (2, "consistent_hash", "drain")}
+RESPONSES = {"responses_affinity": True, "responses_any": False}  # name: whether turns carry X-Session-Id
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
-COMPUTED = "agentkv_computed_tokens_total"
+COMPUTED, RESTORED = "agentkv_computed_tokens_total", "agentkv_kv_restored_tokens_total"
 
 
 class Calls:
@@ -87,7 +102,7 @@ def held_sessions(url: str) -> set[str]:
 
 
 def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
-    replicas, policy, kill = SETUPS[name]
+    replicas, policy, loss = SETUPS[name]
     wf = plan(args.seed, args.agents, args.turns_per_agent)
     planned = sum(len(c.copied) for c in wf.conversations)
     serve_args = ["--model", str(args.model), "--served-model-name", "bench", "--kv-cache-gb", str(args.kv_cache_gb),
@@ -107,9 +122,9 @@ def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
                     done.acquire()
                 killed["victims"] = held_sessions(cluster.replica_urls[0])
                 killed["at"] = time.monotonic()
-                cluster.kill(0)
+                getattr(cluster, loss)(0)
 
-            if kill:
+            if loss:
                 threading.Thread(target=killer, daemon=True).start()
             with tqdm(total=planned, desc=name, unit="turn") as bar:
                 records, wall = run_agents(wf, calls, args.max_tokens, Pauses(args.seed, args.pause_scale),
@@ -121,21 +136,79 @@ def run_setup(name: str, args: argparse.Namespace, out: Path) -> dict:
     for i, m in after.items():
         hits, queries = m[HITS] - before[i][HITS], m[QUERIES] - before[i][QUERIES]
         per_replica[i] = {"hits": hits, "queries": queries, "hit_rate": hits / queries if queries else None,
-                          "computed": m[COMPUTED] - before[i][COMPUTED], "sessions": len(held[i])}
+                          "computed": m[COMPUTED] - before[i][COMPUTED], "restored": m[RESTORED] - before[i][RESTORED],
+                          "sessions": len(held[i])}
     sessions = [s for h in held.values() for s in h]
     row = {"setup": name, "replicas": replicas, "policy": policy, "planned": planned, **summarize(records, wall),
            "per_replica": per_replica, "moved": len(sessions) - len(set(sessions)),
            "records": records_json(records)}
-    if kill:
+    if loss:
         victims = killed.get("victims", set())
+        at = killed.get("at", float("inf"))
+        # Recovery: a kill's turns in flight fail and are sent again (the client's retry), to the survivor; a
+        # drain's finish where they were, so its recovery is that of the first turn sent after it began.
         first = [end for agent, start, end, ok in calls.log
-                 if ok and calls.session(agent) in victims and end > killed.get("at", float("inf"))]
+                 if ok and calls.session(agent) in victims and end > at and (loss == "kill" or start > at)]
         # An agent's calls are its turns in order: those of a victim not ended at the kill ran on the survivor.
         after_kill = {a.agent: sum(1 for agent, _, end, _ in calls.log if agent == a.agent and end <= killed["at"])
                       for a in records if calls.session(a.agent) in victims}
         row.update(victims=len(victims), recovery_s=min(first) - killed["at"] if first else None,
                    failed_calls=sum(not ok for *_, ok in calls.log), victim_turns_from=after_kill)
     return row
+
+
+class ResponsesCalls:
+    """An agent's turns as one Responses API conversation: the system prompt
+    as instructions, each turn's new messages as its input, chained by
+    previous_response_id (the history is the server's, not re-sent)."""
+
+    def __init__(self, base_url: str, tag: str, affinity: bool):
+        self.base_url, self.tag, self.affinity = base_url, tag, affinity
+        self.last: dict[str, tuple[str, int]] = {}  # agent: its last response and how many messages it covered
+
+    def __call__(self, agent: str, messages: list[dict], tools: list[dict], max_tokens: int) -> Reply:
+        previous, seen = self.last.get(agent, (None, 1))
+        new = [{"role": "user", "content": m["content"] if m["role"] == "user" else f"Tool result: {m['content']}"}
+               for m in messages[seen:] if m["role"] in ("user", "tool")]
+        body = {"model": "bench", "instructions": messages[0]["content"], "input": new,
+                "max_output_tokens": max_tokens, "temperature": 0.0}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        headers = {"X-Session-Id": f"{self.tag}-{agent}"} if self.affinity else {}
+        req = urllib.request.Request(self.base_url + "/v1/responses", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            got = json.loads(r.read())
+        self.last[agent] = (got["id"], len(messages) + 1)  # the reply is the server's now
+        usage = got["usage"]
+        text = "".join(part.get("text", "") for item in got["output"] for part in item.get("content") or [])
+        return Reply(text, [], usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
+                     "stop" if got["status"] == "completed" else "length", usage["output_tokens"])
+
+
+def run_responses(name: str, args: argparse.Namespace, out: Path) -> dict:
+    wf = plan(args.seed, args.agents, args.turns_per_agent)
+    planned = sum(len(c.copied) for c in wf.conversations)
+    serve_args = ["--model", str(args.model), "--served-model-name", "bench", "--kv-cache-gb", str(args.kv_cache_gb),
+                  "--no-constrain-auto"]
+    with tempfile.TemporaryDirectory(prefix=f"bench_replicas-{name}-") as state:
+        cluster = Cluster(2, state, port=free_port(), replica_ports=[free_port(), free_port()],
+                          metrics_port=free_port(), threads=args.threads, serve_args=serve_args,
+                          log_dir=out / f"logs-{name}")
+        with cluster:
+            before = [scrape_metrics(u) for u in cluster.replica_urls]
+            calls = ResponsesCalls(cluster.url, f"s{args.seed}", RESPONSES[name])
+            with tqdm(total=planned, desc=name, unit="turn") as bar:
+                records, wall = run_agents(wf, calls, args.max_tokens, Pauses(args.seed, args.pause_scale),
+                                           bar.update)
+            after = [scrape_metrics(u) for u in cluster.replica_urls]
+    per_replica = {}
+    for i, (b, a) in enumerate(zip(before, after)):
+        hits, queries = a[HITS] - b[HITS], a[QUERIES] - b[QUERIES]
+        per_replica[i] = {"hits": hits, "queries": queries, "hit_rate": hits / queries if queries else None,
+                          "computed": a[COMPUTED] - b[COMPUTED], "restored": a[RESTORED] - b[RESTORED]}
+    return {"setup": name, "replicas": 2, "policy": "consistent_hash", "planned": planned,
+            **summarize(records, wall), "per_replica": per_replica, "moved": None, "records": records_json(records)}
 
 
 def computed_usage(row: dict) -> int:
@@ -154,7 +227,8 @@ def recomputed(kill: dict, affinity: dict) -> int:
 
 
 HEADERS = ["setup", "replicas", "policy", "turns done", "failed", "turn s p50", "turn s p90", "hit rate (all)",
-           "hit rate per replica", "prompt tok computed", "sessions moved", "killed: sessions / recovery s / recomputed"]
+           "hit rate per replica", "prompt tok computed", "tok restored from disk", "sessions moved",
+           "lost: sessions / recovery s / recomputed"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -173,7 +247,8 @@ def table_rows(rows: list[dict]) -> list[list]:
                     f"{hits / queries:.3f}" if queries else "n/a",
                     " ".join(f"r{i}:{v['hit_rate']:.3f}" if v["hit_rate"] is not None else f"r{i}:n/a"
                              for i, v in reps.items()),
-                    computed_usage(r), r["moved"], kill])
+                    computed_usage(r), int(sum(v["restored"] for v in reps.values())),
+                    "-" if r["moved"] is None else r["moved"], kill])
     return out
 
 
@@ -183,23 +258,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--turns-per-agent", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--pause-scale", type=float, default=0.25, help="multiplies every tool pause (0: none)")
-    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--setups", default=",".join([*SETUPS, *RESPONSES]))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each replica")
     p.add_argument("--kv-cache-gb", type=float, default=0.25, help="each replica's pool (default: the whole working set)")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "agent-8m")
     p.add_argument("--out", default=None, help="run folder (default runs/bench_replicas-<time>)")
     args = p.parse_args(argv)
-    setups = parse_systems(args.setups, tuple(SETUPS))
+    setups = parse_systems(args.setups, (*SETUPS, *RESPONSES))
     out = Path(args.out) if args.out else run_dir("bench_replicas")
     out.mkdir(parents=True, exist_ok=True)
-    rows = [run_setup(name, args, out) for name in setups]
+    rows = [run_responses(name, args, out) if name in RESPONSES else run_setup(name, args, out) for name in setups]
     res = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": machine(),
            "rows": rows}
     lines = [f"{args.agents} agents x {args.turns_per_agent} turns, replies up to {args.max_tokens} tokens, tool "
              f"pauses x{args.pause_scale}, {args.threads} thread(s) per replica; hit rate = prefix-cache hit tokens / "
-             f"queried tokens; recomputed = prompt tokens the dead replica's sessions computed after the kill "
-             f"beyond the same turns of the affinity run:",
+             f"queried tokens; recomputed = prompt tokens the lost replica's sessions computed after the kill "
+             f"or drain beyond the same turns of the affinity run:",
              table(HEADERS, table_rows(rows))]
     publish(out, res, "\n".join(lines))
     return res

@@ -1,6 +1,7 @@
 """Smoke test of experiments.bench_replicas: two agents, two turns each,
-against two replicas with affinity and with a kill mid-way; checks that
-every turn was done and what the kill row reports."""
+against two replicas with affinity, with a kill mid-way and as Responses API
+conversations without X-Session-Id; checks that every turn was done and what
+the kill row reports."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from experiments import bench_replicas
 
 def test_affinity_and_a_kill_complete_every_turn(tmp_path):
     bench_replicas.main(["--agents", "2", "--turns-per-agent", "2", "--max-tokens", "8", "--pause-scale", "0.02",
-                         "--setups", "affinity,kill", "--out", str(tmp_path)])
+                         "--setups", "affinity,kill,responses_any", "--out", str(tmp_path)])
     rows = {r["setup"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     for r in rows.values():
         assert r["completed_turns"] == r["planned"] == 4 and r["errors"] == []
@@ -20,3 +21,4 @@ def test_affinity_and_a_kill_complete_every_turn(tmp_path):
         assert kill["recovery_s"] is not None and kill["recovery_s"] > 0
     assert bench_replicas.recomputed(kill, rows["affinity"]) >= 0
     assert "recovery" in (tmp_path / "report.txt").read_text()
+    assert all(v["restored"] >= 0 for v in rows["responses_any"]["per_replica"].values())

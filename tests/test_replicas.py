@@ -5,6 +5,8 @@ other from the shared state directory with the replies of an uninterrupted
 run; a missing router or a replica that cannot start is a clear error."""
 from __future__ import annotations
 
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -57,9 +59,23 @@ def respond(url: str, text: str, previous: str | None) -> dict:
     return r.json()
 
 
+def said(response: dict) -> list:
+    """What a response's output items say (their ids are its own)."""
+    return [{k: v for k, v in item.items() if k != "id"} for item in response["output"]]
+
+
 def local_sessions(replica_url: str) -> dict[str, int]:
     """The sessions a replica holds (the list takes nothing up from disk) and their turns."""
     return {s["id"]: len(s["turns"]) for s in httpx.get(replica_url + "/v1/sessions", timeout=30).json()["data"]}
+
+
+def running_on(replica_url: str, timeout: float = 10.0) -> None:
+    """Until the replica has a request running (or timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if parse_metrics(httpx.get(replica_url + "/metrics", timeout=30).text)["vllm:num_requests_running"] > 0:
+            return
+        time.sleep(0.01)
 
 
 def restored_tokens(replica_url: str) -> float:
@@ -90,27 +106,80 @@ def test_every_turn_lands_on_its_sessions_replica(uninterrupted):
     assert len(uninterrupted) == 8 and all(len(v) == 4 for v in uninterrupted.values())
 
 
-def test_a_killed_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted):
+@pytest.mark.parametrize("loss", ["kill", "drain"])
+def test_a_lost_replicas_sessions_resume_on_the_other(tmp_path, uninterrupted, loss):
+    """kill: SIGKILL between two turns. drain: a planned drain (out of the
+    router, then SIGTERM) while the sessions' next turns are in flight, which
+    the draining replica finishes."""
     with start(tmp_path) as c:
         histories = {s: [] for s in SESSIONS}
         first = run_turns(c.url, histories, slice(0, 2))
-        victims = set(local_sessions(c.replica_urls[0]))
-        assert victims
-        stored = respond(c.replica_urls[0], "Say hello.", None)
-        c.kill(0)
-        rest = run_turns(c.url, histories, slice(2, None))
-        # A response stored on the dead replica is continued through the router by the survivor.
+        # The replica that holds the most sessions is lost (the ring, over random ports, may give one all).
+        held = [set(local_sessions(url)) for url in c.replica_urls]
+        lost = max((0, 1), key=lambda i: len(held[i]))
+        victims, survivor_url = held[lost], c.replica_urls[1 - lost]
+        stored = respond(c.replica_urls[lost], "Say hello.", None)
+        if loss == "kill":
+            c.kill(lost)
+            rest = run_turns(c.url, histories, slice(2, None))
+        else:
+            with ThreadPoolExecutor(1) as pool:
+                later = pool.submit(run_turns, c.url, histories, slice(2, None))
+                running_on(c.replica_urls[lost])
+                c.drain(lost)
+                rest = later.result()
+            # It shut down on its own (uvicorn re-raises the SIGTERM it handled), not SIGKILLed after a timeout.
+            assert c.replicas[lost].proc.returncode == -signal.SIGTERM
+        # A response stored on the lost replica is continued through the router by the survivor.
         continued = respond(c.url, "And goodbye.", stored["id"])
         assert continued["usage"]["input_tokens_details"]["cached_tokens"] >= stored["usage"]["input_tokens"]
-        survivor = local_sessions(c.replica_urls[1])
-        assert all(survivor[s] == 4 for s in SESSIONS)  # every session, the dead replica's too, is here now
-        assert restored_tokens(c.replica_urls[1]) > 0
+        # Every session, the lost replica's too, continues from the survivor with its four turns.
+        assert all(len(httpx.get(f"{survivor_url}/v1/sessions/{s}", timeout=30).json()["turns"]) == 4
+                   for s in SESSIONS)
+        if loss == "kill":  # a drain may have finished a session's last turns before it ended
+            assert restored_tokens(survivor_url) > 0
     for s in victims:
-        # Its KV came back from the shared disk tier: the history was not recomputed.
-        before, now = first[s][1]["usage"], rest[s][0]["usage"]
-        assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
+        # Each turn held its history, on whichever replica it ran: after the
+        # move its KV came back from the shared disk tier, not recomputed.
+        turns = first[s] + rest[s]
+        for before, now in zip(turns, turns[1:]):
+            before, now = before["usage"], now["usage"]
+            assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
     for s in SESSIONS:
         assert [r["choices"][0]["message"]["content"] for r in first[s] + rest[s]] == uninterrupted[s]
+
+
+def test_a_responses_conversation_continues_on_either_replica(tmp_path):
+    """previous_response_id without an X-Session-Id: no router hashes it
+    (docs/scale.md), so a conversation's turns land on either replica, and
+    each continues from the record and KV the other saved, with the replies
+    of a conversation routed as the router likes; a stored response is read
+    and deleted through any replica."""
+    texts = ["Say hello.", "And goodbye.", "Once more, slowly.", "Now the last one."]
+    with start(tmp_path) as c:
+        hopping, routed = [], []
+        for k, text in enumerate(texts):
+            hopping.append(respond(c.replica_urls[k % 2], text, hopping[-1]["id"] if hopping else None))
+        for before, now in zip(hopping, hopping[1:]):
+            # Each turn ran where the one before it did not: the history came back from the shared disk tier.
+            held = before["usage"]["input_tokens"] + before["usage"]["output_tokens"] - 1
+            assert now["usage"]["input_tokens_details"]["cached_tokens"] >= held
+        assert all(restored_tokens(url) > 0 for url in c.replica_urls)
+        for text in texts:
+            routed.append(respond(c.url, text, routed[-1]["id"] if routed else None))
+        assert [said(r) for r in routed] == [said(r) for r in hopping]
+        for k, stored in enumerate(hopping):
+            got = httpx.get(f"{c.url}/v1/responses/{stored['id']}", timeout=30)
+            assert got.status_code == 200 and got.json() == stored
+            items = httpx.get(f"{c.url}/v1/responses/{stored['id']}/input_items", timeout=30)
+            assert items.status_code == 200 and texts[k] in items.text
+        gone = hopping[1]["id"]  # stored by replica 1, deleted through replica 0
+        assert httpx.delete(f"{c.replica_urls[0]}/v1/responses/{gone}", timeout=30).status_code == 200
+        for url in (c.url, *c.replica_urls):
+            assert httpx.get(f"{url}/v1/responses/{gone}", timeout=30).status_code == 404
+            r = httpx.post(url + "/v1/responses", timeout=30,
+                           json={"model": MODEL, "input": "Still there?", "previous_response_id": gone})
+            assert r.status_code == 404
 
 
 def test_a_missing_router_is_a_clear_error(tmp_path, monkeypatch):

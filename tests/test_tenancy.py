@@ -452,3 +452,55 @@ def test_two_tenants_sessions_of_one_id_are_saved_and_resumed_apart(tmp_path):
         assert c.get("/v1/sessions", headers=auth(KEY_A)).json()["reports"] == []  # not shown with keys
     for key in (KEY_A, KEY_B):
         assert (after[key]["length"], after[key]["turns"]) == (before[key]["length"], before[key]["turns"])
+
+
+def test_a_tenants_session_quota_counts_its_sessions_on_every_replica(tmp_path):
+    """Two replicas sharing one state directory: the sessions a tenant made on
+    one count on the other, a session taken up from the folder is one it
+    already holds (continuing it is no new session), and a deletion on either
+    frees its place on both."""
+    quotas = Quotas(max_sessions=2)
+
+    def replica() -> TestClient:
+        engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv", kv_resume=False)
+        return TestClient(create_app(engine, MODEL, state_dir=tmp_path, keys=ApiKeys(KEYS), quotas=quotas,
+                                     shared_state=True))
+
+    with replica() as a, replica() as b:
+        for name in ("s1", "s2"):
+            assert a.post("/v1/sessions", json={"session_id": name}, headers=auth(KEY_A)).status_code == 200
+        r = b.post("/v1/sessions", json={"session_id": "s3"}, headers=auth(KEY_A))
+        assert r.status_code == 429 and "holds 2 live sessions" in r.json()["error"]["message"]
+        r = b.post("/v1/chat/completions", headers=auth(KEY_A),
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "session_id": "s4"})
+        assert r.status_code == 429
+        chat(b, KEY_A, "Continue on the other replica.", session_id="s1")  # taken up: held already
+        assert b.get("/v1/sessions/s1", headers=auth(KEY_A)).json()["turns"]
+        assert b.post("/v1/sessions/s1/fork", headers=auth(KEY_A)).status_code == 429
+        assert b.post("/v1/sessions", json={"session_id": "s3"}, headers=auth(KEY_B)).status_code == 200
+        assert a.delete("/v1/sessions/s2", headers=auth(KEY_A)).status_code == 200
+        assert b.post("/v1/sessions", json={"session_id": "s3"}, headers=auth(KEY_A)).status_code == 200
+        r = a.post("/v1/sessions", json={"session_id": "s5"}, headers=auth(KEY_A))
+        assert r.status_code == 429
+
+
+def test_a_state_folder_of_the_earlier_record_names_resumes_once(tmp_path):
+    """Records named before names began with their tenant's digest are renamed
+    on resume: a session saved later is not shadowed by its old record."""
+    from engine.api import session_files
+
+    def server() -> TestClient:
+        engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv")
+        return TestClient(create_app(engine, MODEL, state_dir=tmp_path, keys=ApiKeys(KEYS)))
+
+    with server() as c:
+        chat(c, KEY_A, "Tell me about alpha.", session_id="agent-1")
+    folder = tmp_path / "sessions"
+    (record,) = folder.glob("*.json")
+    record.rename(folder / f"{session_files._legacy_name('alpha', 'agent-1')}.json")
+    with server() as c:
+        chat(c, KEY_A, "And more.", session_id="agent-1")
+        turns = c.get("/v1/sessions/agent-1", headers=auth(KEY_A)).json()["turns"]
+    assert len(list(folder.glob("*.json"))) == 1
+    with server() as c:
+        assert c.get("/v1/sessions/agent-1", headers=auth(KEY_A)).json()["turns"] == turns

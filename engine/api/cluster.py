@@ -26,6 +26,9 @@ replicas') listens on --host:--port with the replicas as its workers. Clients ta
   KV from disk, recomputing only what was not saved (the reply's last
   token). The watcher here removes a replica that exited from the router at
   once; the router's health check (every second) is the backstop.
+- Drain (Cluster.drain): one replica leaves the router, then finishes its
+  requests in flight and exits; its sessions continue on the others from
+  their saved records, as after a failure but with nothing lost.
 - Shutdown (SIGTERM, SIGINT): the router stops first, so no new request
   arrives, then every replica gets SIGTERM and drains its requests in flight
   (their sessions are saved as each ends) before it exits.
@@ -206,6 +209,15 @@ class Cluster:
         """SIGKILL replica i (a crash, for failover tests and benchmarks)."""
         self.replicas[i].signal(signal.SIGKILL)
         self.replicas[i].proc.wait()
+
+    def drain(self, i: int) -> None:
+        """A planned drain of replica i: out of the router first (nothing new
+        arrives), then SIGTERM: it finishes its requests in flight, each
+        session saved as its turn ends, and exits. The ring's next replica
+        takes its sessions up on their next turns."""
+        self._removed.add(i)
+        self._remove_from_router(self.replica_urls[i])
+        self.replicas[i].stop(STOP_TIMEOUT_S)
 
     def interrupt(self) -> None:
         """Make wait() return (from a signal handler)."""

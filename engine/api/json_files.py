@@ -64,6 +64,13 @@ class JsonFiles:
     def delete(self, name: str) -> None:
         (self.root / f"{name}.json").unlink(missing_ok=True)
 
+    def rename(self, old: str, new: str) -> None:
+        os.replace(self.root / f"{old}.json", self.root / f"{new}.json")
+
+    def count(self, prefix: str) -> int:
+        """How many records have a name starting with prefix (one listing, nothing read)."""
+        return sum(1 for _ in self.root.glob(f"{prefix}*.json"))
+
     def read_all(self, parse: Callable[[dict], T]) -> Iterator[T]:
         """parse(body) of every record; one that fails (torn, foreign, hand-edited) is reported and skipped."""
         for path in sorted(self.root.glob("*.json")):

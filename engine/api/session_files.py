@@ -10,7 +10,9 @@ is not, is recomputed.
 
 Replicas sharing the folder (engine.api.cluster) read one record at a time
 (load_one) and compare stamps (engine.api.json_files) to see whether another
-replica has saved a session since.
+replica has saved a session since. A record's name begins with a digest of
+its tenant, so that counting a tenant's sessions on every replica (its
+quota) lists the folder and reads nothing.
 """
 from __future__ import annotations
 
@@ -43,9 +45,17 @@ def check_tokens(tokens: object, vocab_size: int) -> list[int]:
     return tokens
 
 
-def _name(tenant: str, session_id: str) -> str:
+def _tenant_prefix(tenant: str) -> str:
+    return hashlib.sha256(tenant.encode()).hexdigest()[:16] + "-"
+
+
+def _legacy_name(tenant: str, session_id: str) -> str:
     """One file per (tenant, id): two tenants may use one id."""
     return hashlib.sha256(f"{tenant}\0{session_id}".encode()).hexdigest()[:32]
+
+
+def _name(tenant: str, session_id: str) -> str:
+    return _tenant_prefix(tenant) + _legacy_name(tenant, session_id)
 
 
 class SessionFiles:
@@ -67,8 +77,17 @@ class SessionFiles:
     def stamp(self, tenant: str, session_id: str) -> Stamp | None:
         return self.files.stamp(_name(tenant, session_id))
 
+    def count(self, tenant: str) -> int:
+        """The tenant's saved sessions (of every replica sharing the folder)."""
+        return self.files.count(_tenant_prefix(tenant))
+
     def load(self, vocab_size: int) -> list[SavedSession]:
-        return list(self.files.read_all(lambda b: _parse(b, vocab_size)))
+        saved = list(self.files.read_all(lambda b: _parse(b, vocab_size)))
+        for s in saved:  # a folder written before names began with the tenant's digest
+            name, legacy = _name(s.tenant, s.session_id), _legacy_name(s.tenant, s.session_id)
+            if self.files.stamp(name) is None and self.files.stamp(legacy) is not None:
+                self.files.rename(legacy, name)
+        return saved
 
     def load_one(self, tenant: str, session_id: str, vocab_size: int) -> tuple[SavedSession, Stamp] | None:
         """The tenant's saved session and the stamp of what was read; None if none is saved."""

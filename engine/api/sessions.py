@@ -21,6 +21,9 @@ session is taken up from its saved record whenever that is newer than what
 this replica holds (one it never had, one a failed replica served last, one
 another replica has served since), so that any replica can continue any
 session from its last completed turn; one deleted elsewhere is gone here too.
+A tenant's quota of sessions counts its sessions on every replica (the
+records in the shared folder), so a failover, or a ring that spreads one
+tenant's sessions, never lets it hold more than its quota.
 """
 from __future__ import annotations
 
@@ -238,7 +241,15 @@ class SessionRegistry:
                 session.close()
 
     def _check_quota(self, tenant: str) -> None:
-        held = sum(owner == tenant and not e.session.closed for (owner, _), e in self._entries.items())
+        if self.max_per_tenant is None:
+            return
+        live = [e for (owner, _), e in self._entries.items() if owner == tenant and not e.session.closed]
+        if self.shared:
+            # Every replica's sessions of the tenant count, taken up here or not:
+            # those any replica saved, and those begun here and not saved yet.
+            held = self.files.count(tenant) + sum(e.stamp is None for e in live)
+        else:
+            held = len(live)
         check_held("live sessions", held, self.max_per_tenant, "delete one (DELETE /v1/sessions/{id}) first")
 
     def _take(self, entry: _Entry, namespace: str | None) -> Lease:
