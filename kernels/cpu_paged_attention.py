@@ -27,12 +27,17 @@ from kernels.metadata import AttnMetadata
 SOURCE = Path(__file__).with_suffix(".cpp")
 
 # Sequences with at most this many queries in a step run here: decode (1) and
-# verify (k+1) steps; longer ones go to the reference. The kernel's work grows
-# with the queries per K/V read while oneDNN's GEMMs do not, so the crossover
-# is where that reaches the reference: at 8k keys, SmolLM2's heads, one
-# thread, fp32 won still at 16 queries (208 vs 269 ms for 30 layers), bf16 at
-# 4 (63 vs 98 ms) but not at 9 (112 vs 92 ms): docs/bench_cpu_attention.md.
-MAX_QUERIES = {torch.float32: 16, torch.bfloat16: 4}
+# verify (k+1) steps; longer ones go to the reference. A query's result here
+# does not depend on how many queries its sequence has in the step, while the
+# reference's does, so every verify a drafter makes (up to 16 drafts, plus
+# grammar-forced ones) runs here: a token's logits are then the same bits
+# whether it was decoded or verified, and speculation cannot flip a greedy
+# near-tie. That costs bf16 verify steps some speed: the kernel's work grows
+# with the queries per K/V read while oneDNN's GEMMs do not (at 8k keys,
+# SmolLM2's heads, one thread: fp32 still won at 16 queries, 208 vs 269 ms for
+# 30 layers; bf16 won at 4, 63 vs 98 ms, and lost at 9, 112 vs 92 ms:
+# docs/bench_cpu_attention.md).
+MAX_QUERIES = {torch.float32: 32, torch.bfloat16: 32}
 
 # Keys per work item. Fixed in logical positions, not chosen from the batch,
 # so that a sequence's output bits do not depend on what shares its step; 512
