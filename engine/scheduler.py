@@ -431,12 +431,17 @@ class Scheduler:
         forced = req.grammar.forced()[:room] if req.grammar is not None and self.drafters.forced else []
         req.forced = len(forced)
         k = min(drafter.draft_len, room - len(forced))
+        # Which tokens a seeded sample emits depends on what was drafted
+        # (a draft token is accepted with probability p, a free draw is an
+        # inverse CDF): drafting from other sessions' outputs would make a
+        # seeded reply depend on them, so it drafts from its own session only.
+        shared = req.params.greedy or req.params.seed is None
         if forced and k > 0:
             drafter.extend(forced)
-            more = drafter.propose(k)
+            more = drafter.propose(k, shared)
             drafter.truncate(len(seq.tokens))
         else:
-            more = drafter.propose(k) if k > 0 else []
+            more = drafter.propose(k, shared) if k > 0 else []
         draft = forced + more
         if req.grammar is None:
             return draft

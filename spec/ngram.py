@@ -66,9 +66,10 @@ class NGramDrafter(AdaptiveLength):
         del self._tokens[n:]
         self._truncated(n)
 
-    def propose(self, k: int | None = None) -> list[int]:
+    def propose(self, k: int | None = None, shared: bool = True) -> list[int]:
         """Up to k tokens (default `draft_len`) that followed the most recent
-        earlier occurrence of the longest matching suffix; [] if none."""
+        earlier occurrence of the longest matching suffix; [] if none.
+        Drafts come from this session alone, shared or not."""
         if k is None:
             k = self.draft_len
         if k < 0:

@@ -117,10 +117,10 @@ class SuffixDrafter(AdaptiveLength):
         self._tree.truncate(0, n)
         self._truncated(n)
 
-    def propose(self, k: int | None = None) -> list[int]:
+    def propose(self, k: int | None = None, shared: bool = True) -> list[int]:
         """Up to k tokens (default `draft_len`): the best-scoring continuation
-        of the history's end in the session's tree or the namespace's
-        outputs; [] if neither has one."""
+        of the history's end in the session's tree or (if shared) the
+        namespace's outputs; [] if neither has one."""
         if k is None:
             k = self.draft_len
         if k < 0:
@@ -129,7 +129,7 @@ class SuffixDrafter(AdaptiveLength):
         if k == 0:
             return []
         best = self._tree.speculate_end(0, k, self.max_factor, self.min_prob, self.newest)
-        if self.outputs is not None:
+        if shared and self.outputs is not None:
             pattern = self._tree.sequence(0)[-self._tree.max_depth :]
             other = self.outputs.speculate(pattern, k, self.max_factor, self.min_prob, self.newest)
             if other.score > best.score:

@@ -6,10 +6,11 @@ no draft from another namespace's outputs."""
 import pytest
 import torch
 
+import engine.scheduler as scheduler_module
 from engine import Engine
 from engine.structured import request_grammar
 from model.default import random_init
-from model.sampler import SamplingParams, probs_from_logits
+from model.sampler import SamplingParams, make_generator, probs_from_logits
 from spec.drafters import KINDS
 from spec.schema_phrases import continuations, schema_phrases
 from tests.conftest import assert_all_pages_free
@@ -65,7 +66,7 @@ class StubDrafter:
 class NoDrafter(StubDrafter):
     """Asks for drafts and never has one."""
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, shared: bool = True) -> list[int]:
         return []
 
 
@@ -75,7 +76,7 @@ class FixedDrafter(StubDrafter):
     def __init__(self, draft: list[int]):
         self.draft, self.draft_len = draft, len(draft)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, shared: bool = True) -> list[int]:
         return self.draft[:k]
 
 
@@ -126,7 +127,7 @@ def test_greedy_identical_under_partial_acceptance(engine, seed):
     calls = [0]
 
     class Drafter(StubDrafter):
-        def propose(self, k):
+        def propose(self, k, shared=True):
             calls[0] += 1
             done = len(s) - len(prompt)
             right = calls[0] % (k + 1)
@@ -190,7 +191,7 @@ def test_sampling_with_speculation_has_the_target_distribution(engine):
         with engine.session() as s:
             s.append(prompt)
             s.use_drafter(FixedDrafter(draft))
-            out = s.generate(max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+            out = s.generate(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
             accepted += engine.stats[-1].accepted_tokens
             counts[tuple(out[:2])] += 1
     assert 0 < accepted < trials
@@ -252,11 +253,15 @@ def test_suffix_drafts_copy_the_namespace_outputs_and_never_another_namespaces(s
     assert seen and not any(set(d) & set(fresh) for _, d in seen)
 
 
-def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine):
+def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine, monkeypatch):
     """The chi-square test above with the suffix drafter's own drafts: the
     namespace's outputs (seeded with a likely pair, then every trial's own
-    output) propose the second token."""
+    output) propose the second token. The requests carry no seed (a seeded
+    one drafts from its own session only), but their generators are seeded
+    here, so the test is repeatable."""
     engine = suffix_engine
+    trial_seeds = iter(range(10**6))
+    monkeypatch.setattr(scheduler_module, "make_generator", lambda seed: make_generator(next(trial_seeds)))
     prompt = prompt_with_repeats(11, 20)
     params = SamplingParams(temperature=1.0, top_k=3)
     with engine.session() as s:
@@ -271,10 +276,10 @@ def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine):
     engine.drafters.finished("default", [top1, max((t2 for t1, t2 in exact if t1 == top1), key=lambda t2: exact[(top1, t2)])])
     counts = dict.fromkeys(exact, 0)
     trials = drafted = accepted = 0
-    for seed in range(600):
+    for _ in range(600):
         with engine.session() as s:
             s.append(prompt)
-            out = s.generate(max_tokens=3, temperature=1.0, top_k=3, seed=seed, ignore_eos=True)
+            out = s.generate(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
             st = engine.stats[-1]
             drafted, accepted = drafted + st.drafted_tokens, accepted + st.accepted_tokens
             counts[tuple(out[:2])] += 1
@@ -282,6 +287,31 @@ def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine):
     assert 0 < accepted < drafted
     chi2 = sum((counts[c] - trials * p) ** 2 / (trials * p) for c, p in exact.items())
     assert chi2 < 26.1, (chi2, counts, exact)
+
+
+def test_a_seeded_sample_does_not_depend_on_other_sessions_outputs(suffix_engine):
+    """Which tokens a seeded sample emits depends on what was drafted, so a
+    seeded request drafts from its own session only: the namespace's outputs
+    (here ones that continue the prompt) leave it unchanged, while an unseeded
+    request does draft from them."""
+    engine = suffix_engine
+    prompt = prompt_with_repeats(7)
+
+    def sample() -> list[int]:
+        with engine.session() as s:
+            s.append(prompt)
+            return s.generate(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+
+    before = sample()
+    text = prompt + before
+    g = torch.Generator().manual_seed(1)
+    for i in range(len(prompt) + 1, len(text)):
+        engine.drafters.finished("default", text[i - 12 : i] + torch.randint(0, VOCAB, (8,), generator=g).tolist())
+    assert sample() == before
+    with engine.session() as s:
+        s.append(prompt)
+        s.generate(max_tokens=24, temperature=1.0, ignore_eos=True)
+        assert s.drafter().from_outputs > 0
 
 
 def test_page_accounting_after_suffix_draft_rejections(suffix_engine):
