@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from spec.adaptive import AdaptiveLength
 from spec.ngram import NGramDrafter
-from spec.suffix import OutputTrees, SuffixDrafter
+from spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
 
 KINDS = ("ngram", "suffix")
 
@@ -21,17 +21,19 @@ class Drafters:
     forced is off only to measure what it is worth."""
 
     def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = False,
-                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16):
+                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16, max_session_nodes: int = MAX_SESSION_NODES):
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
         self.kind, self.forced, self.schema = kind, forced, schema
         self.outputs = OutputTrees(max_output_tokens, max_namespaces) if kind == "suffix" else None
+        # One bound over every session's tree, whatever the number of sessions.
+        self.session_nodes = NodeBudget(max_session_nodes) if kind == "suffix" else None
 
     def new(self, namespace: str) -> AdaptiveLength:
         """A drafter for a sequence in namespace (its history empty)."""
         if self.outputs is None:
             return NGramDrafter()
-        return SuffixDrafter(self.outputs.get(namespace))
+        return SuffixDrafter(self.outputs.get(namespace), budget=self.session_nodes)
 
     def finished(self, namespace: str, output: list[int]) -> None:
         """A generation in namespace ended with these tokens: later drafts there may copy them."""

@@ -12,6 +12,7 @@ first (an output is used when a draft taken from it is accepted).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 
 from spec.adaptive import AdaptiveLength
@@ -22,6 +23,60 @@ from spec.suffix_tree import Draft, SuffixTree
 # model's tool calls drafts up to twice the match, up to 16 tokens, and no
 # token below 0.2 accept more per forward (docs/bench_spec.md).
 MAX_DEPTH, MAX_FACTOR, MIN_PROB, MAX_K = 24, 2.0, 0.2, 16
+
+# A session's tree covers its last WINDOW tokens. The tree costs about 12
+# nodes per token of text and up to MAX_DEPTH for random tokens (~7 KB a
+# token measured), so without a window a session's drafter grows with its
+# context: 32k tokens of context would hold 50-200 MB. Tool calls copy from
+# recent turns; the namespace's output tree still offers older replies.
+WINDOW = 1 << 13
+# All session trees of an engine together: about 300 bytes a node (measured
+# with tracemalloc), so some 600 MB, 20 sessions with a full window of text.
+MAX_SESSION_NODES = 1 << 21
+
+
+class NodeBudget:
+    """A bound on the nodes of every session tree that shares it. Past it, the
+    least recently extended session forgets the older half of what its tree
+    holds (drafts from its recent text are what it keeps), repeatedly."""
+
+    def __init__(self, max_nodes: int = MAX_SESSION_NODES):
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.max_nodes = max_nodes
+        self.total = 0
+        self.shrunk = 0  # times a session's tree was cut for the budget
+        self._held: OrderedDict[int, tuple[weakref.ref, int]] = OrderedDict()  # id -> (drafter, its nodes)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def update(self, drafter: "SuffixDrafter") -> None:
+        """drafter's tree changed: count it as most recently used, then cut
+        the least recently used trees until the total fits."""
+        entry = self._held.pop(id(drafter), None)
+        if entry is None:
+            weakref.finalize(drafter, self._release, id(drafter))
+        self._set(drafter, entry[1] if entry else 0)
+        while self.total > self.max_nodes:
+            victim = next((d for d in (ref() for ref, nodes in self._held.values() if nodes) if d is not None), None)
+            if victim is None:
+                break  # every tree is empty: cannot happen while the counts are right
+            victim.forget_older()
+            self.shrunk += 1
+            # Still the least recent: cut it again before a busier session.
+            self._set(victim, self._held.pop(id(victim))[1])
+            self._held.move_to_end(id(victim), last=False)
+
+    def _set(self, drafter: "SuffixDrafter", old_nodes: int) -> None:
+        nodes = drafter.tree.num_nodes
+        self._held[id(drafter)] = (weakref.ref(drafter), nodes)
+        self.total += nodes - old_nodes
+
+    def _release(self, key: int) -> None:
+        entry = self._held.pop(key, None)
+        if entry is not None:
+            self.total -= entry[1]
 
 
 class OutputTree:
@@ -87,34 +142,70 @@ class OutputTrees:
 
 class SuffixDrafter(AdaptiveLength):
     """Per-session drafter with NGramDrafter's interface (extend, truncate,
-    propose, draft_len, record). newest=False: SuffixDecoding's walk to the
-    most frequent child (an ablation)."""
+    propose, draft_len, record), its tree over the history's last `window`
+    tokens. newest=False: SuffixDecoding's walk to the most frequent child
+    (an ablation)."""
 
     def __init__(self, outputs: OutputTree | None = None, max_depth: int = MAX_DEPTH, max_k: int = MAX_K,
                  max_factor: float = MAX_FACTOR, min_prob: float = MIN_PROB, probe_every: int = 16,
-                 newest: bool = True):
+                 newest: bool = True, window: int = WINDOW, budget: NodeBudget | None = None):
         if max_factor <= 0 or not 0 < min_prob <= 1:
             raise ValueError(f"need max_factor > 0 and 0 < min_prob <= 1, got {max_factor}, {min_prob}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         super().__init__(max_k, probe_every)
         self.outputs, self.max_factor, self.min_prob, self.newest = outputs, max_factor, min_prob, newest
+        self.window, self.budget = window, budget
+        self._history: list[int] = []
+        self._start = 0  # history position of the tree's first token
         self._tree = SuffixTree(max_depth)
         self._tree.extend(0, [])
         self._from: int | None = None  # the output the last draft came from, if any
         self.from_outputs = 0  # drafts taken from the namespace's outputs
 
     def __len__(self) -> int:
-        return len(self._tree.sequence(0))
+        return len(self._history)
 
     @property
     def tokens(self) -> list[int]:
-        return self._tree.sequence(0)
+        """The whole history (read-only use); the tree holds its last `window` tokens."""
+        return self._history
+
+    @property
+    def tree(self) -> SuffixTree:
+        """The tree over the window (read-only use), sequence 0."""
+        return self._tree
 
     def extend(self, tokens: list[int]) -> None:
+        self._history.extend(tokens)
         self._tree.extend(0, tokens)
+        excess = len(self._history) - self._start - self.window
+        if excess > 0:
+            self._drop(excess)
+        if self.budget is not None:
+            self.budget.update(self)
+
+    def forget_older(self) -> None:
+        """Drop the older half of what the tree holds (for a NodeBudget)."""
+        self._drop((len(self._history) - self._start + 1) // 2)
+
+    def _drop(self, n: int) -> None:
+        self._tree.drop_front(0, n)
+        self._start += n
 
     def truncate(self, n: int) -> None:
         """Roll the history back to its first n tokens."""
-        self._tree.truncate(0, n)
+        if not 0 <= n <= len(self._history):
+            raise ValueError(f"cannot truncate a history of {len(self._history)} tokens to {n}")
+        del self._history[n:]
+        if n >= self._start:
+            self._tree.truncate(0, n - self._start)
+        else:  # cut below the window: index the window ending at n again
+            self._tree.remove(0)
+            self._start = max(0, n - self.window)
+            self._tree.extend(0, self._history[self._start :])
+        if self.budget is not None:
+            self.budget.update(self)
         self._truncated(n)
 
     def propose(self, k: int | None = None, shared: bool = True) -> list[int]:
@@ -130,7 +221,7 @@ class SuffixDrafter(AdaptiveLength):
             return []
         best = self._tree.speculate_end(0, k, self.max_factor, self.min_prob, self.newest)
         if shared and self.outputs is not None:
-            pattern = self._tree.sequence(0)[-self._tree.max_depth :]
+            pattern = self._history[-self._tree.max_depth :]
             other = self.outputs.speculate(pattern, k, self.max_factor, self.min_prob, self.newest)
             if other.score > best.score:
                 best, self._from = other, other.ref

@@ -119,6 +119,33 @@ class SuffixTree:
             if len(seq) >= self.max_depth:
                 active.append(self._find(seq[len(seq) - self.max_depth :]))
 
+    def drop_front(self, key: Hashable, n: int) -> None:
+        """Forget the first n tokens of the sequence under key: every substring
+        that starts in them, so the tree then holds exactly its remaining
+        tokens. O(max_depth) per token, like extend."""
+        seq = self._seqs[key]
+        if not 0 <= n <= len(seq):
+            raise ValueError(f"cannot drop {n} tokens from a sequence of {len(seq)}")
+        for start in range(n):
+            path = seq[start : start + self.max_depth]
+            node = self._root
+            for depth, token in enumerate(path, 1):
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:
+                    # This was its last occurrence, and so of the rest of the
+                    # path below it, which nothing else reaches.
+                    del node.children[token]
+                    if not node.children:
+                        node.children = None
+                    self.num_nodes -= len(path) - depth + 1
+                    break
+                node = child
+        # Suffixes reaching into the dropped tokens are no longer held.
+        del self._active[key][len(seq) - n :]
+        del seq[:n]
+        self.num_tokens -= n
+
     def remove(self, key: Hashable) -> None:
         """Drop the sequence under key and every count it added."""
         self.truncate(key, 0)

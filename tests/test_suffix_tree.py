@@ -1,5 +1,6 @@
 """The suffix tree against a naive rescan of the sequences it holds, and the
 bounds of the namespace output trees."""
+import gc
 import itertools
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spec.drafters import Drafters
-from spec.suffix import OutputTree, OutputTrees, SuffixDrafter
+from spec.suffix import NodeBudget, OutputTree, OutputTrees, SuffixDrafter
 from spec.suffix_tree import SuffixTree
 
 VOCAB = 3
@@ -39,6 +40,15 @@ class Naive:
             ends = [tuple(seq[-d:]) for d in range(1, min(self.depth, len(seq)) + 1)]
             seq.pop()
             for sub in ends:
+                if self.count(sub) == 0:
+                    del self.stamps[sub]
+
+    def drop_front(self, key, n):
+        seq = self.seqs[key]
+        for _ in range(n):
+            starts = [tuple(seq[:d]) for d in range(1, min(self.depth, len(seq)) + 1)]
+            seq.pop(0)
+            for sub in starts:
                 if self.count(sub) == 0:
                     del self.stamps[sub]
 
@@ -81,6 +91,7 @@ ops = st.lists(
         st.tuples(st.just("extend"), seqs, st.lists(st.integers(0, VOCAB - 1), max_size=8)),
         st.tuples(st.just("truncate"), seqs, st.floats(0, 1)),
         st.tuples(st.just("remove"), seqs, st.none()),
+        st.tuples(st.just("drop_front"), seqs, st.floats(0, 1)),
     ),
     max_size=30,
 )
@@ -101,6 +112,10 @@ def test_matches_naive_rescan(depth, ops, probe, max_tokens, factor, min_prob, n
                 cut = int(arg * len(ref.seqs[key]))
                 tree.truncate(key, cut)
                 ref.truncate(key, cut)
+            elif op == "drop_front":
+                cut = int(arg * len(ref.seqs[key]))
+                tree.drop_front(key, cut)
+                ref.drop_front(key, cut)
             else:
                 tree.remove(key)
                 ref.truncate(key, 0)
@@ -226,3 +241,73 @@ def test_suffix_drafter_prefers_the_better_scoring_tree_and_adapts():
     assert d.tokens == [1, 2, 3, 0]
     assert d.draft_len == 2
     assert d.propose(4) == []  # the only occurrence of "0" is the end itself
+
+
+windows = st.lists(
+    st.one_of(st.tuples(st.just("extend"), st.lists(st.integers(0, VOCAB - 1), max_size=10)),
+              st.tuples(st.just("truncate"), st.floats(0, 1))),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(window=st.integers(1, 12), ops=windows)
+def test_session_tree_holds_a_bounded_window_of_the_history(window, ops):
+    d = SuffixDrafter(max_depth=4, window=window)
+    history: list[int] = []
+    truncated = False
+    for op, arg in ops:
+        if op == "extend":
+            d.extend(arg)
+            history += arg
+        else:
+            cut = int(arg * len(history))
+            d.truncate(cut)
+            del history[cut:]
+            truncated = True
+        held = d.tree.sequence(0)
+        assert d.tokens == history and len(d) == len(history)
+        assert len(held) <= window and held == history[len(history) - len(held) :]
+        if not truncated:  # a cut within the window leaves it short until it fills again
+            assert len(held) == min(window, len(history))
+        # Exactly the counts and nodes of a tree built over the window afresh.
+        fresh = SuffixTree(4)
+        fresh.extend(0, held)
+        assert d.tree.num_nodes == fresh.num_nodes and d.tree.num_tokens == len(held)
+        subs = {tuple(held[i : i + n]) for n in range(1, 5) for i in range(len(held) - n + 1)}
+        assert all(d.tree.count(sub) == fresh.count(sub) for sub in subs)
+
+
+def test_a_long_session_keeps_its_tree_within_the_window():
+    d = SuffixDrafter(window=256)
+    d.extend(list(range(1000, 1200)) * 10)  # 2000 tokens, one repeating span
+    assert len(d) == 2000 and d.tree.num_tokens == 256
+    assert d.tree.num_nodes <= 256 * d.tree.max_depth
+    d.extend([1000, 1001, 1002])
+    assert d.propose(4) == [1003, 1004, 1005, 1006]  # still drafts from the window
+    d.truncate(10)  # below the window: indexed again from the history
+    assert d.tokens == list(range(1000, 1010)) and d.tree.sequence(0) == d.tokens
+
+
+def test_session_trees_share_one_node_budget_cut_least_recent_first():
+    budget = NodeBudget(max_nodes=500)
+    a, b = SuffixDrafter(max_depth=4, budget=budget), SuffixDrafter(max_depth=4, budget=budget)
+    a.extend(list(range(100)))  # nothing repeats: n + (n-1) + (n-2) + (n-3) nodes
+    assert budget.total == a.tree.num_nodes == 394 and budget.shrunk == 0
+    b.extend(list(range(200, 260)))  # 234 more: a, the least recent, loses its older half
+    assert budget.total == a.tree.num_nodes + b.tree.num_nodes == 194 + 234 and budget.shrunk == 1
+    assert a.tokens == list(range(100))  # the history stays whole
+    assert a.tree.sequence(0) == list(range(50, 100))  # its recent end kept
+    b.extend(list(range(300, 400)))  # a is emptied first, then b cuts itself
+    assert a.tree.num_tokens == 0 and b.tree.num_tokens == 80 and b.tree.sequence(0)[-1] == 399
+    assert budget.total == b.tree.num_nodes == 314
+    del a
+    gc.collect()
+    assert len(budget) == 1 and budget.total == b.tree.num_nodes  # a's nodes went with it
+    d = Drafters("suffix", max_session_nodes=1000)
+    sessions = [d.new("ns") for _ in range(20)]
+    for i, s in enumerate(sessions):
+        s.extend([1000 * i + j for j in range(100)])
+    assert d.session_nodes.total <= 1000 and sum(s.tree.num_nodes for s in sessions) == d.session_nodes.total
+    with pytest.raises(ValueError):
+        NodeBudget(0)
