@@ -14,7 +14,9 @@ Each repeat decodes from the same C-token prompt again: the prompt's KV is
 kept between requests (the engine cuts its session back to the prompt,
 vLLM's prefix cache and llama.cpp's longest-prefix reuse find it), so only
 the first request pays the prefill. Within a repeat the systems take turns
-in an order that rotates from repeat to repeat.
+in an order that rotates from repeat to repeat, each request after --gap
+seconds of idle (so that the previous system's OpenMP threads have stopped
+spinning on the shared cores).
 
 Systems (--systems, comma-separated; one whose venv is missing is skipped
 and the report says why):
@@ -27,7 +29,9 @@ and the report says why):
   llamacpp  llama.cpp through llama-cpp-python (.venv-llamacpp: bash
             experiments/peers/setup_llamacpp.sh), a GGUF converted from the same
             checkpoint at the run's precision (f32 for float32; bf16, or f16 with
-            --llamacpp-half f16, for bfloat16) with the KV cache in that type.
+            --llamacpp-half f16, for bfloat16) with the KV cache in that type;
+            flash attention off as llama-cpp-python's Llama has it, on with
+            --llamacpp-flash-attn.
 
 Also per (dtype, threads, C): our C++ paged attention alone over every layer
 at context C (experiments.bench_cpu_attention), its GB/s of the K/V read and
@@ -36,7 +40,7 @@ reading the weights and the K/V once at the memory-read rate.
 
     python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
-        [--repeats 3] [--shape smollm2-135m] [--out DIR]
+        [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--out DIR]
 
 Writes runs/bench_decode-<time>/{results.json, report.txt, decode.png, wandb/}.
 """
@@ -129,7 +133,7 @@ def start_systems(systems: list[str], path: Path, reqs: list[Request], dtype: st
             else:
                 peer_dtype = "float16" if dtype == "bfloat16" and args.llamacpp_half == "f16" else dtype
                 live[s] = llamacpp_system(PEERS[s], path, reqs, dtype=peer_dtype, threads=threads, log=log,
-                                          timeout=args.peer_timeout)
+                                          timeout=args.peer_timeout, flash_attn=args.llamacpp_flash_attn)
         except Exception as e:  # noqa: BLE001 - a system that fails to start is reported, not fatal to the others
             skipped[s] = f"failed to start ({dtype}, {threads} threads): {type(e).__name__}: {e}"
     return live
@@ -155,6 +159,9 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                 if s in skipped:
                     continue
                 bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {'prefill' if rep == 0 else f'rep {rep}'}")
+                # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
+                # last parallel region before its threads sleep.
+                time.sleep(args.gap)
                 try:
                     reply = live[s].decode(r.ids, r.gen, r.agent)
                 except Exception as e:  # noqa: BLE001 - a system that fails drops out, the others go on
@@ -251,7 +258,7 @@ def run(args) -> dict:
         "model": str(path),
         "systems_requested": systems,
         "skipped": skipped,
-        "llamacpp_gguf": {"float32": "f32", "bfloat16": args.llamacpp_half},
+        "llamacpp_gguf": {"float32": "f32", "bfloat16": args.llamacpp_half, "flash_attn": args.llamacpp_flash_attn},
         "wall_s": time.perf_counter() - started,
         "load_1min": load,
         "rows": rows,
@@ -340,6 +347,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16, help="the engine's page size")
     p.add_argument("--llamacpp-half", default="bf16", choices=["bf16", "f16"],
                    help="llama.cpp's GGUF and KV type for --dtypes bfloat16")
+    p.add_argument("--llamacpp-flash-attn", action="store_true", help="llama.cpp's fused flash attention "
+                   "(llama-cpp-python's Llama leaves it off)")
+    p.add_argument("--gap", type=float, default=0.3, help="seconds of idle before each request (the previous "
+                   "system's spinning OpenMP threads go to sleep)")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_decode-<time>)")
     p.add_argument("--no-wandb", action="store_true")

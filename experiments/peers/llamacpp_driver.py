@@ -7,7 +7,7 @@ from this repository but peer_protocol.py beside it.
 
 Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model": dir,
 "gguf": path, "gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
-"warmup_ids": [...]}; the driver converts the checkpoint to GGUF if needed,
+"warmup_ids": [...], "flash_attn": false}; the driver converts the checkpoint to GGUF if needed,
 warms up and answers {"ready": true, ...}. Then each line is one of
   {"op": "begin"}   a new pass over the workflow: drop every context
   {"op": "turn", "ids": [...], "gen": n, "agent": a}  one request; answers
@@ -99,7 +99,8 @@ def main() -> None:
 
     def new_context(n_ctx: int) -> Llama:
         return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                     n_ubatch=512, type_k=kv_type, type_v=kv_type, logits_all=False, verbose=False, seed=0)
+                     n_ubatch=512, type_k=kv_type, type_v=kv_type, logits_all=False, verbose=False, seed=0,
+                     flash_attn=bool(spec.get("flash_attn", False)))
 
     def one(llm: Llama, ids: list[int], gen: int) -> dict:
         held = list(llm._input_ids[: llm.n_tokens]) if keep else []
