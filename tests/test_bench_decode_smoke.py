@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from experiments import bench_decode
 from experiments.drivers import llamacpp, vllm
@@ -75,3 +76,24 @@ def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
     assert "setup_vllm.sh" in res["skipped"]["vllm"] and "setup_llamacpp.sh" in res["skipped"]["llamacpp"]
     assert set(res["rows"][0]["systems"]) == {"ours"}
     assert "skipped vllm" in (tmp_path / "out" / "report.txt").read_text()
+
+
+def test_engine_decode_repeats_the_same_greedy_decode_from_the_kept_prompt():
+    from engine import Engine
+    from experiments.common import random_model
+    from experiments.drivers.engine_local import EngineDecode
+
+    model = random_model("tiny", torch.float32, seed=3)
+    ids = bench_decode.prompt_ids(model.cfg.vocab_size, 40, 0, set())
+    ours = EngineDecode(model, num_pages=32, page_size=8)
+    first, again = ours.decode(ids, 6, "a"), ours.decode(ids, 6, "a")
+    with Engine(model, None, page_size=8, num_pages=32).session() as s:
+        s.append(ids)
+        plain = s.generate(max_tokens=6, ignore_eos=True, speculative=False)
+    assert first["token_ids"] == again["token_ids"] == plain
+    assert len(again["token_s"]) == 6 and again["token_s"] == sorted(again["token_s"])
+    # The kept session is cut back to its prompt; another prompt under the same name is refused.
+    assert ours.sessions["a"].tokens == ids
+    with pytest.raises(ValueError):
+        ours.decode(ids[:-1], 2, "a")
+    ours.close()
