@@ -185,7 +185,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             ms = median(xs) * 1e3
             per_system[s] = {"ms_per_token": ms, "mean_ms": sum(xs) / len(xs) * 1e3, "steps": len(xs),
                              "prefill_s": prefill.get(s),
-                             "repeat_reused_tokens": reused.get(s), "step_GBps": (weights + kv) / ms / 1e6,
+                             "repeat_reused_tokens": reused.get(s), "first_token_ids": first_ids.get(s),
+                             "steps_ms": [round(x * 1e3, 3) for x in xs], "step_GBps": (weights + kv) / ms / 1e6,
                              "greedy_agree": (common_prefix_len(first_ids[s], first_ids["ours"]) / r.gen
                                               if "ours" in first_ids and s in first_ids else None)}
         rows.append({"dtype": dtype, "threads": threads, "context": context, "decode_tokens": r.gen,
