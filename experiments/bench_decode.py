@@ -182,8 +182,10 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
         for s, xs in steps.items():
             if s in skipped or not xs:
                 continue
-            ms = median(xs) * 1e3
+            ms, ordered = median(xs) * 1e3, sorted(xs)
             per_system[s] = {"ms_per_token": ms, "mean_ms": sum(xs) / len(xs) * 1e3, "steps": len(xs),
+                             # A wide spread means other work shared the cores (the median is robust to some).
+                             "p10_ms": ordered[len(xs) // 10] * 1e3, "p90_ms": ordered[9 * len(xs) // 10] * 1e3,
                              "prefill_s": prefill.get(s),
                              "repeat_reused_tokens": reused.get(s), "first_token_ids": first_ids.get(s),
                              "steps_ms": [round(x * 1e3, 3) for x in xs], "step_GBps": (weights + kv) / ms / 1e6,
@@ -284,15 +286,17 @@ def report(res: dict) -> str:
                      fmt(r.get("attention_ms")), fmt(r.get("attention_GBps")),
                      fmt(r.get("attention_share_of_read"), ".2f")])
     lines = [table(heads, rows), ""]
-    heads = ["dtype", "threads", "context", "system", "ms/token", "mean ms", "steps", "step GB/s", "prefill s",
-             "greedy agree"]
-    rows = [[r["dtype"], r["threads"], r["context"], s, x["ms_per_token"], x["mean_ms"], x["steps"], x["step_GBps"],
+    heads = ["dtype", "threads", "context", "system", "ms/token", "p10 ms", "p90 ms", "mean ms", "steps", "step GB/s",
+             "prefill s", "greedy agree"]
+    rows = [[r["dtype"], r["threads"], r["context"], s, x["ms_per_token"], x["p10_ms"], x["p90_ms"], x["mean_ms"],
+             x["steps"], x["step_GBps"],
              fmt(x["prefill_s"], ".2f"), fmt(x["greedy_agree"], ".2f")]
             for r in res["rows"] for s, x in r["systems"].items()]
     lines += [table(heads, rows), ""]
     lines.append(
         f"ms: median decode step (interval between two tokens) over {res['args']['repeats']} requests of "
-        f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context; ours/peer below 1: "
+        f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context (p10/p90: its "
+        "spread; a p90 far above the median means other work shared the cores); ours/peer below 1: "
         "ours is faster; bound: weights + K/V (at the middle of the decode) read once at the read GB/s; read: "
         "torch sum over 1 GiB, same threads, median of before and after the systems ran; attn: our C++ paged "
         "attention alone over every layer at the context, one query; step GB/s: the bound's bytes over ms; "
