@@ -168,7 +168,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                     skipped[s] = f"failed ({dtype}, {threads} threads, C={context}): {type(e).__name__}: {e}"
                     continue
                 if reply["generated"] != r.gen:
-                    skipped[s] = f"generated {reply['generated']} tokens, not {r.gen}"
+                    skipped[s] = f"generated {reply['generated']} tokens, not {r.gen} ({dtype}, {threads} threads, C={context})"
                     continue
                 if rep == 0:  # the warm-up request, which prefills
                     prefill[s], first_ids[s] = reply["prefill_s"], reply["token_ids"]
