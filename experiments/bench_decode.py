@@ -168,7 +168,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                     skipped[s] = f"failed ({dtype}, {threads} threads, C={context}): {type(e).__name__}: {e}"
                     continue
                 if reply["generated"] != r.gen:
-                    skipped[s] = f"generated {reply['generated']} tokens, not {r.gen} ({dtype}, {threads} threads, C={context})"
+                    skipped[s] = (f"generated {reply['generated']} tokens, not {r.gen} "
+                                  f"({dtype}, {threads} threads, C={context})")
                     continue
                 if rep == 0:  # the warm-up request, which prefills
                     prefill[s], first_ids[s] = reply["prefill_s"], reply["token_ids"]
@@ -209,7 +210,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
         for peer in PEERS:
             if ours and peer in row["systems"]:
                 row[f"ours_over_{peer}"] = ours["ms_per_token"] / row["systems"][peer]["ms_per_token"]
-        attn = attention_ms(cfg, getattr(torch, dtype), row["context"], args.page_size, 5) if "ours" in systems else None
+        attn = (attention_ms(cfg, getattr(torch, dtype), row["context"], args.page_size, 5)
+                if "ours" in systems else None)
         if attn is not None:
             _, kv_attn = step_bytes(cfg, getattr(torch, dtype).itemsize, row["context"])
             row["attention_ms"], row["attention_GBps"] = attn, kv_attn / attn / 1e6
