@@ -84,3 +84,49 @@ class EngineSystem:
         gc.collect()
 
     close = end
+
+
+class EngineDecode:
+    """The engine in-process for experiments.bench_decode: one session per
+    prompt (agent), prefilled on its first call and kept; every call decodes
+    exactly gen greedy tokens through the scheduler's normal path
+    (Session.generate, speculation off, so each step is a plain decode step)
+    and cuts the session back to its prompt afterwards."""
+
+    name = "ours"
+
+    def __init__(self, model, num_pages: int, page_size: int = 16):
+        from engine import Engine
+
+        # No prefix cache: each prompt lives in its own session, so nothing would match.
+        self.eng = Engine(model, None, page_size=page_size, num_pages=num_pages, prefix_cache=False)
+        self.sessions: dict[str, object] = {}
+        self.info = {"pages": num_pages, "page_size": page_size}
+
+    def decode(self, ids: list[int], gen: int, agent: str) -> dict:
+        """As PeerSystem.decode: token_s holds each token's seconds from the
+        call's start; on the first call for agent the prefill comes first."""
+        start = time.perf_counter()
+        session = self.sessions.get(agent)
+        if session is None:
+            session = self.sessions[agent] = self.eng.session()
+            session.append(ids)
+        elif session.tokens != ids:
+            raise ValueError(f"agent {agent!r} was prefilled with another prompt")
+        stamps: list[float] = []
+
+        def arrived(new: list[int]) -> None:
+            stamps.extend([time.perf_counter() - start] * len(new))
+
+        out = session.generate(max_tokens=gen, ignore_eos=True, speculative=False, on_tokens=arrived)
+        latency = time.perf_counter() - start
+        session.truncate(len(ids))
+        return {"latency_s": latency, "prefill_s": stamps[0], "decode_s": stamps[-1] - stamps[0],
+                "generated": len(out), "token_ids": list(out), "token_s": stamps}
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+        self.eng = None
+        gc.collect()

@@ -54,6 +54,12 @@ class PeerSystem:
         return turn_row(t["latency_s"], t["prefill_s"], t["decode_s"], len(r.ids) - reused, reused,
                         t["generated"], token_ids=t.get("token_ids"))
 
+    def decode(self, ids: list[int], gen: int, agent: str) -> dict:
+        """One request of exactly gen greedy tokens with per-token arrival
+        times: the driver's answer, whose token_s holds each token's seconds
+        from the call's start (experiments.bench_decode)."""
+        return self._call({"op": "decode", "ids": ids, "gen": gen, "agent": agent})
+
     def end(self) -> None:
         """Nothing to do: the driver drops its caches at the next begin."""
 

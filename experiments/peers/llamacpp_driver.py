@@ -7,11 +7,13 @@ from this repository but peer_protocol.py beside it.
 
 Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model": dir,
 "gguf": path, "gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
-"warmup_ids": [...]}; the driver converts the checkpoint to GGUF if needed,
+"warmup_ids": [...], "flash_attn": false}; the driver converts the checkpoint to GGUF if needed,
 warms up and answers {"ready": true, ...}. Then each line is one of
   {"op": "begin"}   a new pass over the workflow: drop every context
   {"op": "turn", "ids": [...], "gen": n, "agent": a}  one request; answers
-                    {"latency_s", "prefill_s", "decode_s", "reused", "generated", "token_ids"}
+                    {"latency_s", "prefill_s", "decode_s", "reused", "generated", "token_ids",
+                    "token_s"} (token_s: each token's time from the call's start)
+  {"op": "decode", ...}  the same (experiments.bench_decode's name for it)
   {"op": "quit"}
 
 keep: one llama.cpp context per agent; Llama.generate reuses the longest
@@ -97,7 +99,8 @@ def main() -> None:
 
     def new_context(n_ctx: int) -> Llama:
         return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                     n_ubatch=512, type_k=kv_type, type_v=kv_type, logits_all=False, verbose=False, seed=0)
+                     n_ubatch=512, type_k=kv_type, type_v=kv_type, logits_all=False, verbose=False, seed=0,
+                     flash_attn=bool(spec.get("flash_attn", False)))
 
     def one(llm: Llama, ids: list[int], gen: int) -> dict:
         held = list(llm._input_ids[: llm.n_tokens]) if keep else []
@@ -105,17 +108,16 @@ def main() -> None:
             llm.reset()
         reused = min(common_prefix(held, ids), len(ids) - 1) if keep else 0
         start = time.perf_counter()
-        first = None
+        stamps = []
         out = []
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if first is None:
-                first = time.perf_counter()
+            stamps.append(time.perf_counter() - start)
             out.append(int(tok))
             if len(out) >= gen:
                 break
-        end = time.perf_counter()
-        return {"latency_s": end - start, "prefill_s": first - start, "decode_s": end - first, "reused": reused,
-                "generated": len(out), "token_ids": out}
+        end = time.perf_counter() - start
+        return {"latency_s": end, "prefill_s": stamps[0], "decode_s": end - stamps[0], "reused": reused,
+                "generated": len(out), "token_ids": out, "token_s": stamps}
 
     warm = new_context(512)
     one(warm, spec["warmup_ids"], 4)
@@ -133,7 +135,7 @@ def main() -> None:
         contexts.clear()
         return {"ok": True}
 
-    serve(reply, {"turn": turn, "begin": begin})
+    serve(reply, {"turn": turn, "decode": turn, "begin": begin})
 
 
 if __name__ == "__main__":

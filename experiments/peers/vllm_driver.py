@@ -12,6 +12,9 @@ Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model":
   {"op": "begin"}   a new pass over the workflow: drop the prefix cache
   {"op": "turn", "ids": [...], "gen": n}  one request; answers {"latency_s",
                     "prefill_s", "decode_s", "cached_tokens", "generated", "token_ids"}
+  {"op": "decode", "ids": [...], "gen": n}  the same request stepped one engine
+                    step at a time; answers as turn and "token_s", each token's time from
+                    the call's start (for per-step decode times: experiments.bench_decode)
   {"op": "quit"}
 Everything vLLM prints goes to stderr; stdout carries only the replies.
 
@@ -24,6 +27,7 @@ LD_PRELOAD of the venv's libiomp5, VLLM_CPU_KVCACHE_SPACE (GiB of KV cache).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -74,6 +78,32 @@ def main() -> None:
                 "cached_tokens": out.num_cached_tokens or 0, "generated": len(out.outputs[0].token_ids),
                 "token_ids": list(out.outputs[0].token_ids)}
 
+    decodes = itertools.count()
+
+    def stepped(ids: list[int], gen: int) -> dict:
+        """As one, but LLMEngine.step by step (what LLM.generate loops over),
+        stamping when each token arrives. With VLLM_ENABLE_V1_MULTIPROCESSING=0
+        a step is one scheduler step of the engine core, in this process."""
+        params = SamplingParams(temperature=0.0, max_tokens=gen, min_tokens=gen, ignore_eos=True, detokenize=False)
+        engine = llm.llm_engine
+        rid = f"decode-{next(decodes)}"
+        start = time.perf_counter()
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+        stamps: list[float] = []
+        out = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                now = time.perf_counter() - start
+                out = o
+                # Cumulative outputs: a step may have brought more than one token.
+                stamps += [now] * (len(o.outputs[0].token_ids) - len(stamps))
+        latency = time.perf_counter() - start
+        return {"latency_s": latency, "prefill_s": stamps[0], "decode_s": stamps[-1] - stamps[0],
+                "cached_tokens": out.num_cached_tokens or 0, "generated": len(out.outputs[0].token_ids),
+                "token_ids": list(out.outputs[0].token_ids), "token_s": stamps}
+
     one(spec["warmup_ids"], 4)
     if spec["apc"]:
         llm.reset_prefix_cache()
@@ -87,7 +117,8 @@ def main() -> None:
             llm.reset_prefix_cache()
         return {"ok": True}
 
-    serve(reply, {"turn": lambda msg: one(msg["ids"], int(msg["gen"])), "begin": begin})
+    serve(reply, {"turn": lambda msg: one(msg["ids"], int(msg["gen"])),
+                  "decode": lambda msg: stepped(msg["ids"], int(msg["gen"])), "begin": begin})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""Smoke test of experiments.bench_decode: the tiny shape, our engine only,
+two short contexts and a few decode tokens; checks the table, the JSON and
+the plot it writes (speeds are the benchmark's to report, not this test's)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from experiments import bench_decode
+from experiments.drivers import llamacpp, vllm
+
+CONTEXTS = (48, 96)
+TOKENS, REPEATS = 5, 2
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_decode")
+    res = bench_decode.main([
+        "--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", ",".join(map(str, CONTEXTS)),
+        "--systems", "ours", "--decode-tokens", str(TOKENS), "--repeats", str(REPEATS), "--out", str(out),
+        "--no-wandb",
+    ])
+    return out, res
+
+
+def test_writes_json_report_and_plot(result):
+    out, res = result
+    data = json.loads((out / "results.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(res["rows"]))
+    assert "experiments.bench_decode" in data["command"]
+    text = (out / "report.txt").read_text()
+    assert "ours ms" in text and "read GB/s" in text
+    assert all(f" {c} " in text for c in CONTEXTS)
+    assert (out / "decode.png").stat().st_size > 0
+
+
+def test_one_row_per_context_with_sane_numbers(result):
+    _, res = result
+    assert [(r["dtype"], r["threads"], r["context"]) for r in res["rows"]] == [("float32", 1, c) for c in CONTEXTS]
+    for r in res["rows"]:
+        ours = r["systems"]["ours"]
+        # Every timed request gives TOKENS - 1 steps (intervals between tokens).
+        assert ours["steps"] == REPEATS * (TOKENS - 1)
+        assert 0 < ours["p10_ms"] <= ours["ms_per_token"] <= ours["p90_ms"] < 10_000 and math.isfinite(ours["mean_ms"])
+        assert ours["prefill_s"] > 0 and ours["greedy_agree"] == 1.0
+        assert ours["repeat_reused_tokens"] == r["context"]
+        assert r["read_GBps"] > 0 and 0 < r["bound_ms"] < ours["ms_per_token"] * 100
+        assert r["kv_MB"] > 0 and r["weights_MB"] > 0
+        assert set(r["systems"]) == {"ours"} and "ours_over_vllm" not in r
+    # K/V grows with the context, the weights do not.
+    a, b = res["rows"]
+    assert b["kv_MB"] > a["kv_MB"] and b["weights_MB"] == a["weights_MB"]
+
+
+def test_steps_are_the_intervals_between_tokens():
+    assert bench_decode.steps_of({"token_s": [0.5, 0.75, 1.25]}) == [0.25, 0.5]
+
+
+def test_prompts_are_reproducible_and_avoid_special_tokens():
+    ids = bench_decode.prompt_ids(50, 200, 0, {0, 1})
+    assert ids == bench_decode.prompt_ids(50, 200, 0, {0, 1}) and len(ids) == 200
+    assert min(ids) >= 2 and max(ids) < 50
+    assert ids != bench_decode.prompt_ids(50, 200, 1, {0, 1})
+
+
+def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm, "VLLM_VENV", tmp_path / "no-vllm")
+    monkeypatch.setattr(llamacpp, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
+    res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
+                             "--systems", "ours,vllm,llamacpp", "--decode-tokens", "3", "--repeats", "1",
+                             "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert "setup_vllm.sh" in res["skipped"]["vllm"] and "setup_llamacpp.sh" in res["skipped"]["llamacpp"]
+    assert set(res["rows"][0]["systems"]) == {"ours"}
+    assert "skipped vllm" in (tmp_path / "out" / "report.txt").read_text()
+
+
+def test_engine_decode_repeats_the_same_greedy_decode_from_the_kept_prompt():
+    from engine import Engine
+    from experiments.common import random_model
+    from experiments.drivers.engine_local import EngineDecode
+
+    model = random_model("tiny", torch.float32, seed=3)
+    ids = bench_decode.prompt_ids(model.cfg.vocab_size, 40, 0, set())
+    ours = EngineDecode(model, num_pages=32, page_size=8)
+    first, again = ours.decode(ids, 6, "a"), ours.decode(ids, 6, "a")
+    with Engine(model, None, page_size=8, num_pages=32).session() as s:
+        s.append(ids)
+        plain = s.generate(max_tokens=6, ignore_eos=True, speculative=False)
+    assert first["token_ids"] == again["token_ids"] == plain
+    assert len(again["token_s"]) == 6 and again["token_s"] == sorted(again["token_s"])
+    # The kept session is cut back to its prompt; another prompt under the same name is refused.
+    assert ours.sessions["a"].tokens == ids
+    with pytest.raises(ValueError):
+        ours.decode(ids[:-1], 2, "a")
+    ours.close()
