@@ -79,9 +79,9 @@ class Attention(nn.Module):
         o_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         """x: [R, hidden], the step's T tokens and R - T padding rows (see
-        Transformer.min_rows); o_rows: a zeroed [R, heads * head_dim] the
-        attention's T rows are written into when R > T (its padding rows stay
-        zero), so that no layer pads."""
+        Transformer.min_rows); o_rows: a [R, heads * head_dim] the
+        attention's T rows are written into when R > T, so that no layer pads
+        (see ForwardScratch.o_rows)."""
         t = meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -207,8 +207,8 @@ class Transformer(nn.Module):
 
 class ForwardScratch:
     """What a runner keeps for the forwards over its page pool, across steps:
-    each layer's (K pages, V pages) views of the pool, and the zeroed
-    attention rows of padded steps (see Attention.forward). One per runner,
+    each layer's (K pages, V pages) views of the pool, and the attention
+    rows of padded steps (see Attention.forward). One per runner,
     never shared between threads (engines may share a model, not this)."""
 
     def __init__(self, kv: torch.Tensor):
@@ -217,9 +217,11 @@ class ForwardScratch:
         self._o_rows: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def o_rows(self, rows: int, t: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A zeroed [rows, dim] for a forward of t < rows tokens (None when
-        t == rows): every step writes only its first t rows, so the rest stay
-        zero."""
+        """A [rows, dim] for a forward of t < rows tokens (None when t ==
+        rows). Its padding rows hold zeros or an earlier step's attention rows:
+        finite values, which reach no real row (a row of a linear's output
+        depends on its own input row alone, and the invariance tests hold the
+        bits), so nothing is cleared per step."""
         if rows == t:
             return None
         key = (rows, dim, dtype)
