@@ -23,7 +23,7 @@ from cache.block_table import BlockTable
 from cache.errors import KVCapacityError
 from cache.pool import PagePool
 from kernels.metadata import PersistentBuffer, StepBuffers
-from model.llama import Transformer
+from model.llama import ForwardScratch, Transformer
 
 
 @dataclass(slots=True)
@@ -41,6 +41,7 @@ class ModelRunner:
         self.buffers = StepBuffers(pool.page_size, device)
         self._ids = PersistentBuffer(torch.int64, device)
         self._logit_rows = PersistentBuffer(torch.int64, device)
+        self._scratch = ForwardScratch(pool.kv)
 
     @property
     def allocations(self) -> int:
@@ -94,4 +95,4 @@ class ModelRunner:
             self._logit_rows.ensure(len(logit_rows))
             self._logit_rows.np[: len(logit_rows)] = logit_rows
             rows = self._logit_rows.view(len(logit_rows))
-        return self.model(ids, meta, self.pool.kv, rows)
+        return self.model(ids, meta, self.pool.kv, rows, self._scratch)

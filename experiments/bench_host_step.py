@@ -2,10 +2,11 @@
 
 B sessions of the embedded model (models/agent-8m) are grown to --context
 tokens each (distinct random tokens, so nothing is shared), then decode
---tokens tokens side by side (greedy, no speculation; the scheduler batches
-them into steps of B). Per batch size:
+--tokens tokens side by side (greedy, no speculation unless --speculative,
+the demo's default; the scheduler batches them into steps of B). Per batch
+size and thread count:
 
-- tokens/s and ms per step: wall time of the whole decode over the steps
+- tokens/s (batch 1: one session's decode rate) and ms per step: wall time of the whole decode over the steps
   it took (scheduler, forward, emit: everything a user waits for); the
   forward's share from the scheduler's own counters;
 - the ops: after each timed decode, one of --profile-tokens under
@@ -20,7 +21,8 @@ them into steps of B). Per batch size:
 Medians of --repeats; the sessions are cut back to --context after each.
 
     python -m experiments.bench_host_step [--model models/agent-8m] [--dtypes float32,bfloat16]
-        [--context 8192] [--batches 1,8] [--tokens 64] [--profile-tokens 8] [--repeats 5] [--threads 1]
+        [--context 8192] [--batches 1,8] [--tokens 64] [--profile-tokens 8] [--repeats 5] [--threads 1,2]
+        [--speculative]
 
 Writes runs/bench_host_step-<time>/{results.json, report.txt} (or --out).
 """
@@ -50,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="tokens each session decodes per repeat")
     p.add_argument("--profile-tokens", type=int, default=8, help="tokens each session decodes under the profiler")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", default="1", help="torch threads, a list: each is a row of its own")
+    p.add_argument("--speculative", action="store_true",
+                   help="decode as the demo does, drafts verified (the ms per step are then per verify step)")
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -89,12 +93,12 @@ def profiler_cost_per_op(n: int = 20000) -> float:
     return max(0.0, profiled - plain) / n
 
 
-def decode(engine: Engine, sessions: list, tokens: int) -> tuple[float, int, float]:
+def decode(engine: Engine, sessions: list, tokens: int, speculative: bool = False) -> tuple[float, int, float]:
     """Wall seconds, steps and forward seconds of one side-by-side decode."""
     counters = engine.scheduler.counters
     steps, forward = counters.steps, counters.forward_s
     start = time.perf_counter()
-    reqs = [s.start_generate(max_tokens=tokens, ignore_eos=True, speculative=False) for s in sessions]
+    reqs = [s.start_generate(max_tokens=tokens, ignore_eos=True, speculative=speculative) for s in sessions]
     for r in reqs:
         engine.scheduler.wait(r)
         if r.error is not None:
@@ -119,14 +123,14 @@ def measure(engine: Engine, batch: int, args, bar) -> dict:
     walls, per_step, forwards, hosts, op_times, op_counts = [], [], [], [], [], []
     by_name, count = Counter(), Counter()
     for _ in range(args.repeats):
-        wall, steps, forward = decode(engine, sessions, args.tokens)
+        wall, steps, forward = decode(engine, sessions, args.tokens, args.speculative)
         reset()
         walls.append(wall)
         per_step.append(wall / steps)
         forwards.append(forward / steps)
         # Right after, so that both see the machine alike (it is shared).
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            profiled_wall, steps, _ = decode(engine, sessions, args.profile_tokens)
+            profiled_wall, steps, _ = decode(engine, sessions, args.profile_tokens, args.speculative)
         reset()
         ops = top_level_ops(prof)
         op_s = sum(e.time_range.elapsed_us() for e in ops) * 1e-6 / steps
@@ -152,28 +156,31 @@ def measure(engine: Engine, batch: int, args, bar) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else run_dir("bench_host_step")
     out.mkdir(parents=True, exist_ok=True)
     path = Path(args.model) if args.model else default_model_dir()
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = args.dtypes.split(",")
-    args.profiler_cost_s = profiler_cost_per_op()
+    threads = [int(t) for t in args.threads.split(",")]
     rows = []
-    bar = tqdm(total=len(dtypes) * len(batches) * args.repeats, desc="decode")
-    for dtype in dtypes:
-        engine = Engine.from_pretrained(path, dtype=dtype, kv_cache_bytes=int(args.kv_gb * 2**30),
-                                        prefix_cache=False)
-        for batch in batches:
-            rows.append({"dtype": dtype, **measure(engine, batch, args, bar)})
+    bar = tqdm(total=len(dtypes) * len(batches) * len(threads) * args.repeats, desc="decode")
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        args.profiler_cost_s = profiler_cost_per_op()
+        for dtype in dtypes:
+            engine = Engine.from_pretrained(path, dtype=dtype, kv_cache_bytes=int(args.kv_gb * 2**30),
+                                            prefix_cache=False)
+            for batch in batches:
+                rows.append({"dtype": dtype, "threads": n_threads, **measure(engine, batch, args, bar)})
     bar.close()
     text = table(
-        ["dtype", "batch", "context", "tok/s", "step ms", "forward ms", "ops/step", "op ms", "host ms", "host %"],
-        [[r["dtype"], r["batch"], r["context"], r["tokens_per_s"], r["step_ms"], r["forward_ms"], r["ops_per_step"],
-          r["op_ms"], r["host_ms"], 100 * r["host_share"]] for r in rows],
+        ["dtype", "threads", "batch", "context", "tok/s", "step ms", "forward ms", "ops/step", "op ms", "host ms",
+         "host %"],
+        [[r["dtype"], r["threads"], r["batch"], r["context"], r["tokens_per_s"], r["step_ms"], r["forward_ms"],
+          r["ops_per_step"], r["op_ms"], r["host_ms"], 100 * r["host_share"]] for r in rows],
     )
     for r in rows:
-        text += f"\n\n{r['dtype']} batch {r['batch']}, top ops per step:\n" + table(
+        text += f"\n\n{r['dtype']}, {r['threads']} thread(s), batch {r['batch']}, top ops per step:\n" + table(
             ["op", "calls", "us"], [[o["op"], o["calls"], o["us"]] for o in r["top_ops"]])
     publish(out, {"args": vars(args), "machine": machine(), "rows": rows}, text)
 

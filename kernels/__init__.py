@@ -6,19 +6,28 @@ reference, except paged attention, which runs kernels/cpu_paged_attention.py
 when its extension builds (the reference otherwise, with one warning).
 ``AGENTKV_KERNELS=torch`` or ``=triton`` forces either (Triton on a CPU needs
 ``TRITON_INTERPRET=1`` set before triton is imported).
+
+A forward chooses once (select): the model's layers then call the chosen
+implementations with no dispatch decision, and the environment is read once
+a step rather than at every op of every layer.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kernels import cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 
-__all__ = ["AttnMetadata", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_drafts", "use_triton"]
+__all__ = [
+    "AttnMetadata", "StepKernels", "select", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages",
+    "verify_drafts", "use_triton",
+]
 
 
 def _mode() -> str:
@@ -52,13 +61,53 @@ def _triton(module: str, name: str):
     return getattr(importlib.import_module(f"kernels.triton_{module}"), name)
 
 
+def _attention_impl(q: torch.Tensor, k_cache: torch.Tensor, triton: bool) -> Callable:
+    if triton:
+        return _triton("paged_attention", "paged_attention")
+    if _use_cpu_attention(q, k_cache):
+        return cpu_paged_attention.paged_attention
+    return reference.paged_attention
+
+
+@dataclass(frozen=True, slots=True)
+class StepKernels:
+    """The implementations of the per-layer ops one forward runs, with the
+    signatures of the dispatchers below."""
+
+    rmsnorm: Callable
+    rope_and_store: Callable
+    paged_attention: Callable
+
+
+_selected: dict[tuple, StepKernels] = {}
+
+
+def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
+    """What the dispatchers below would run for a forward whose activations
+    are like x and whose layers' K pages are like k_cache (one layer's
+    [P, page_size, Hkv, D]), decided once for all its layers and ops."""
+    mode = _mode()
+    # The build's state is part of the key: a build that fails (or is made
+    # to fail, as tests do) changes the choice from the next forward on.
+    key = (mode, x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
+           cpu_paged_attention.build_error())
+    chosen = _selected.get(key)
+    if chosen is None:
+        triton = mode == "triton" or (mode == "auto" and x.is_cuda)
+        # A query [T, Hq, D] agrees with one K row [Hkv, D] on all the CPU
+        # kernel asks of it (device, dtype, head_dim) when the dtypes agree.
+        q_like = k_cache[0, 0] if x.dtype == k_cache.dtype else x
+        chosen = StepKernels(
+            rmsnorm=_triton("rmsnorm", "rmsnorm") if triton else reference.rmsnorm,
+            rope_and_store=_triton("rope_and_store", "rope_and_store") if triton else reference.rope_and_store,
+            paged_attention=_attention_impl(q_like, k_cache, triton),
+        )
+        _selected[key] = chosen
+    return chosen
+
+
 def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
-    if use_triton(q):
-        impl = _triton("paged_attention", "paged_attention")
-    elif _use_cpu_attention(q, k_cache):
-        impl = cpu_paged_attention.paged_attention
-    else:
-        impl = reference.paged_attention
+    impl = _attention_impl(q, k_cache, use_triton(q))
     return impl(q, k_cache, v_cache, meta, scale, sliding_window)
 
 

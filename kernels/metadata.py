@@ -34,10 +34,11 @@ class AttnMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
-    # The torch path's key blocks and masks by sliding window (see
+    # The torch path's key blocks and masks by (sliding window, the query
+    # count up to which another kernel runs a sequence; see
     # kernels.reference._torch_plan), made on first use and then shared by
     # every layer of the step.
-    torch_plans: dict[int, list[tuple[list[slice | torch.Tensor], torch.Tensor | None]]] = field(default_factory=dict)
+    torch_plans: dict[tuple[int, int], list] = field(default_factory=dict)
     # The torch path's RoPE factors at the step's positions, with the cos
     # table they came from (see kernels.reference.rope_and_store), likewise
     # made once per step.

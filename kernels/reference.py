@@ -48,14 +48,20 @@ def _key_blocks(pages: list[int], page_size: int, length: int, device: torch.dev
     return blocks
 
 
-def _torch_plan(meta: AttnMetadata, sliding_window: int) -> list[tuple[list[Piece], torch.Tensor | None]]:
-    """Per sequence: its keys [0, L) by logical block (_key_blocks) and, only
-    when a sliding window cuts into them, the chunk's boolean mask [Δ, L]. A
-    plain causal chunk needs no mask: see _chunk_attention."""
-    plan: list[tuple[list[Piece], torch.Tensor | None]] = []
+def _torch_plan(
+    meta: AttnMetadata, sliding_window: int, longer_than: int = 0
+) -> list[tuple[list[Piece], torch.Tensor | None] | None]:
+    """Per sequence with more than longer_than queries (None for the rest,
+    which another kernel runs): its keys [0, L) by logical block
+    (_key_blocks) and, only when a sliding window cuts into them, the chunk's
+    boolean mask [Δ, L]. A plain causal chunk needs no mask: see _chunk_attention."""
+    plan: list[tuple[list[Piece], torch.Tensor | None] | None] = []
     device = meta.block_tables.device
     ps = meta.page_size
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q_len <= longer_than:
+            plan.append(None)
+            continue
         pages = meta.block_tables[i, : -(-s_len // ps)].tolist()
         mask = None
         if sliding_window > 0 and s_len > sliding_window:
@@ -234,15 +240,16 @@ def paged_attention_into(
 ) -> None:
     """paged_attention into out's rows of the sequences with more than
     longer_than queries (another kernel does the rest)."""
-    plan = meta.torch_plans.get(sliding_window)
+    plan = meta.torch_plans.get((sliding_window, longer_than))
     if plan is None:
-        plan = meta.torch_plans[sliding_window] = _torch_plan(meta, sliding_window)
+        plan = meta.torch_plans[sliding_window, longer_than] = _torch_plan(meta, sliding_window, longer_than)
     k_flat, v_flat = _by_head(k_cache), _by_head(v_cache)
     start = 0
-    for q_len, (blocks, mask) in zip(meta.query_lens_list, plan):
-        if q_len <= longer_than:
+    for q_len, seq_plan in zip(meta.query_lens_list, plan):
+        if seq_plan is None:
             start += q_len
             continue
+        blocks, mask = seq_plan
         qi = q[start : start + q_len]
         k_parts, v_parts = _pieces(k_flat, blocks), _pieces(v_flat, blocks)
         if mask is None and q_len <= FEW_QUERIES:
@@ -300,10 +307,13 @@ def _rope_factors(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor)
 
 
 def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x fresh (the caller's copy), rotated in place in fp32; in place and out
+    of place round alike, and fp32 skips the casts (two dispatches a layer)."""
     t, heads, dim = x.shape
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()
     swapped = xf.view(t, heads, 2, dim // 2).flip(2).view(t, heads, dim)
-    return (xf * c + swapped * s).to(x.dtype)
+    rotated = xf.mul_(c).add_(swapped.mul_(s))
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
 def rope_and_store(
@@ -325,10 +335,13 @@ def rope_and_store(
     # q and k rotated in one pass: rotation is elementwise, so joining them
     # changes no bit and halves the ops.
     num_q_heads = q.shape[1]
-    qk = _rotate(torch.cat((q, k), dim=1), *meta.torch_rope[1:])
-    # Through the per-head view, so that any page layout is written in place.
-    _by_head(k_cache).index_copy_(1, meta.slot_mapping, qk[:, num_q_heads:].transpose(0, 1))
-    _by_head(v_cache).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    qk = _rotate(torch.cat((q, k), dim=1), *meta.torch_rope[1:])  # cat: a fresh tensor, rotated in place
+    # Through a [P * page_size, Hkv, D] view (page and slot merge in any
+    # layout this file takes; view, unlike reshape, never writes to a copy):
+    # two ops a cache fewer than through _by_head.
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(slots, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, qk[:, num_q_heads:])
+    v_cache.view(slots, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
     return qk[:, :num_q_heads]
 
 

@@ -74,18 +74,27 @@ class Attention(nn.Module):
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
         self.packed: PackedWeights | None = None
 
-    def forward(self, x, meta: AttnMetadata, k_cache, v_cache, cos, sin) -> torch.Tensor:
-        # x: [R, hidden], the step's T tokens and R - T padding rows (see Transformer.min_rows)
-        t, pad = meta.num_tokens, x.shape[0] - meta.num_tokens
+    def forward(
+        self, ops: kernels.StepKernels, x: torch.Tensor, meta: AttnMetadata, k_cache, v_cache, cos, sin,
+        o_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: [R, hidden], the step's T tokens and R - T padding rows (see
+        Transformer.min_rows); o_rows: a [R, heads * head_dim] the
+        attention's T rows are written into when R > T, so that no layer pads
+        (see ForwardScratch.o_rows)."""
+        t = meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
-        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:t, :q_dim].view(t, self.num_heads, self.head_dim)
-        k = qkv[:t, q_dim : q_dim + kv_dim].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:t, q_dim + kv_dim :].view(t, self.num_kv_heads, self.head_dim)
-        q = kernels.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window).view(t, q_dim)
-        if pad:
-            o = F.pad(o, (0, 0, 0, pad))
+        hq, hkv = self.num_heads, self.num_kv_heads
+        # One view by head, then q, k and v as slices of it (5 ops, not 9).
+        heads = (qkv if o_rows is None else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
+        q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+        q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
+        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+        if o_rows is None:
+            o = o.view(t, hq * self.head_dim)
+        else:
+            o_rows[:t].view(o.shape).copy_(o)
+            o = o_rows
         return linear(o, self.o_weight, self.o_bias, self.packed)
 
 
@@ -101,8 +110,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.packed)
+        # Slices, not Tensor.split (a Python wrapper); silu's fresh output
+        # takes the product in place (the same rounding as silu(gate) * up).
+        n = self.intermediate
+        return linear(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]), self.down_weight, self.down_bias, self.packed)
 
 
 class Block(nn.Module):
@@ -162,23 +173,61 @@ class Transformer(nn.Module):
         meta: AttnMetadata,
         kv: torch.Tensor,
         logit_indices: torch.Tensor | None = None,
+        scratch: "ForwardScratch | None" = None,
     ) -> torch.Tensor:
         """input_ids: [R] the step's T = meta.num_tokens new tokens, then any
         R - T valid ids run as padding rows (see min_rows); kv: the page
-        pool's [layers, 2, pages, page_size, kv_heads, head_dim]. Returns
-        fp32 logits [N, vocab] at logit_indices (all T tokens when None)."""
+        pool's [layers, 2, pages, page_size, kv_heads, head_dim]; scratch:
+        what a runner keeps for kv across steps (made afresh when None).
+        Returns fp32 logits [N, vocab] at logit_indices (all T tokens when None)."""
         eps = self.cfg.rms_norm_eps
+        if scratch is None or scratch.kv is not kv:
+            scratch = ForwardScratch(kv)
         h = F.embedding(input_ids, self.embed)  # [R, hidden]
+        layers = scratch.layers
+        # Chosen once for every layer; the blocks are run through their
+        # forward methods, not Module.__call__ (no hooks are used, and its
+        # bookkeeping is a few microseconds a call, 11 calls a layer).
+        ops = kernels.select(h, layers[0][0])
+        norm = ops.rmsnorm
+        o_rows = scratch.o_rows(h.shape[0], meta.num_tokens, self.cfg.num_heads * self.cfg.head_dim, h.dtype)
+        cos, sin = self.cos, self.sin
         residual = None
-        for i, block in enumerate(self.blocks):
-            x, residual = kernels.rmsnorm(h, block.attn_norm, eps, residual)
-            h = block.attn(x, meta, kv[i, 0], kv[i, 1], self.cos, self.sin)
-            x, residual = kernels.rmsnorm(h, block.mlp_norm, eps, residual)
-            h = block.mlp(x)
+        for block, (k_cache, v_cache) in zip(self.blocks, layers):
+            x, residual = norm(h, block.attn_norm, eps, residual)
+            h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows)
+            x, residual = norm(h, block.mlp_norm, eps, residual)
+            h = block.mlp.forward(x)
         if logit_indices is not None:
             h, residual = h[logit_indices], residual[logit_indices]
-        h, _ = kernels.rmsnorm(h, self.norm, eps, residual)
+        h, _ = norm(h, self.norm, eps, residual)
         logits = linear(h, self.lm_head, None, self.packed)
         if logit_indices is None and logits.shape[0] > meta.num_tokens:
             logits = logits[: meta.num_tokens]  # the padding rows'
         return logits.float()
+
+
+class ForwardScratch:
+    """What a runner keeps for the forwards over its page pool, across steps:
+    each layer's (K pages, V pages) views of the pool, and the attention
+    rows of padded steps (see Attention.forward). One per runner,
+    never shared between threads (engines may share a model, not this)."""
+
+    def __init__(self, kv: torch.Tensor):
+        self.kv = kv
+        self.layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+        self._o_rows: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def o_rows(self, rows: int, t: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A [rows, dim] for a forward of t < rows tokens (None when t ==
+        rows). Its padding rows hold zeros or an earlier step's attention rows:
+        finite values, which reach no real row (a row of a linear's output
+        depends on its own input row alone, and the invariance tests hold the
+        bits), so nothing is cleared per step."""
+        if rows == t:
+            return None
+        key = (rows, dim, dtype)
+        buf = self._o_rows.get(key)
+        if buf is None:
+            buf = self._o_rows[key] = torch.zeros(rows, dim, dtype=dtype, device=self.kv.device)
+        return buf
