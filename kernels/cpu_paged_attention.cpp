@@ -75,11 +75,10 @@ inline float hsum(v16f v) {
   return v[0];
 }
 
-// Lane i of transpose_sum(a[0..16)) is the sum of a[i]'s lanes: 16 horizontal
-// sums in 15 shuffle pairs, where one at a time would take 16 x 4. The levels
-// of its tree are split out so that a tile's 16 dot vectors can be folded as
-// they are made, two at a time (fewer live registers, same sums in the same
-// order as the whole tree).
+// The levels of a transposing sum of 16 vectors a[0..16) into one whose lane
+// i is the sum of a[i]'s lanes: 16 horizontal sums in 15 shuffle pairs, where
+// one at a time would take 16 x 4. tile_scores folds a tile's dot vectors as
+// they are made, two at a time, so that few of them are live at once.
 inline v16f fold1(v16f a, v16f b) {
   return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
          __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
