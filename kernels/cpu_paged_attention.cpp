@@ -29,7 +29,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 constexpr int kLanes = 16;  // keys per tile: one score vector per row
-constexpr int64_t kPrefetchKeys = 4 * kLanes;  // 2: as fast within noise, 1: fp32 2.7x slower
+constexpr int64_t kPrefetchKeys = 4 * kLanes;  // 2: the same within noise; 1: fp32 2.7x slower
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -129,7 +129,7 @@ struct TileMask {
   int64_t first_pos, group, start, n, window;
 };
 
-// The tile after next when it lies in one page (its keys at a fixed stride):
+// The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
 // each key's lines are prefetched as the same key of this tile is read, so
 // that the requests are spread over the tile rather than issued in a burst.
 struct Ahead {
@@ -356,7 +356,7 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
       kp[i] = k + page * ks.page + kv_head * ks.head + slot * ks.slot;
       vp[i] = v + page * vs.page + kv_head * vs.head + slot * vs.slot;
     }
-    // The tile after next, so that its reads overlap this tile's math: the
+    // The tile kPrefetchKeys ahead, so that its reads overlap this math: the
     // loads stalled on memory without it.
     Ahead ahead;
     const int64_t next = start + kPrefetchKeys;
