@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -28,7 +29,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 constexpr int kLanes = 16;  // keys per tile: one score vector per row
-constexpr int64_t kPrefetchKeys = 2 * kLanes;
+constexpr int64_t kPrefetchKeys = 4 * kLanes;  // 2: the same within noise; 1: fp32 2.7x slower
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -74,20 +75,25 @@ inline float hsum(v16f v) {
   return v[0];
 }
 
-// Lane i of the result is the sum of a[i]'s lanes: 16 horizontal sums in 15
-// shuffle pairs, where one at a time would take 16 x 4.
-inline v16f transpose_sum(v16f* a) {
-  for (int i = 0; i < 16; i += 2)
-    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-               __builtin_shufflevector(a[i], a[i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  for (int i = 0; i < 8; i += 2)
-    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               __builtin_shufflevector(a[i], a[i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  for (int i = 0; i < 4; i += 2)
-    a[i / 2] = __builtin_shufflevector(a[i], a[i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               __builtin_shufflevector(a[i], a[i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  return __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// The levels of a transposing sum of 16 vectors a[0..16) into one whose lane
+// i is the sum of a[i]'s lanes: 16 horizontal sums in 15 shuffle pairs, where
+// one at a time would take 16 x 4. tile_scores folds a tile's dot vectors as
+// they are made, two at a time, so that few of them are live at once.
+inline v16f fold1(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline v16f fold2(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16f fold3(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline v16f fold4(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
 // exp(x) for x <= 0 (scores minus their running max), 0 below -87: 2^(x log2 e)
@@ -123,54 +129,93 @@ struct TileMask {
   int64_t first_pos, group, start, n, window;
 };
 
+// The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
+// each key's lines are prefetched as the same key of this tile is read, so
+// that the requests are spread over the tile rather than issued in a burst.
+struct Ahead {
+  const char *k = nullptr, *v = nullptr;
+  int64_t k_stride = 0, v_stride = 0, bytes = 0;  // bytes between keys; of one key
+  static void key(const char* base, int64_t stride, int64_t bytes, int i) {
+    if (base == nullptr) return;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + i * stride + b);
+  }
+  void k_key(int i) const { key(k, k_stride, bytes, i); }
+  void v_key(int i) const { key(v, v_stride, bytes, i); }
+};
+
+// One score vector per row for the tile's 16 keys: dot(i, d) writes key i's
+// 16-lane partial dot product for every row of the block into d, and the
+// vectors are folded into transposed sums two keys at a time.
+template <int RB, typename Dot>
+inline void tile_scores(v16f (&s)[RB], Dot dot) {
+  v16f l2[RB][4];
+  for (int quad = 0; quad < 4; ++quad) {
+    v16f l1[RB][2];
+    for (int pair = 0; pair < 2; ++pair) {
+      v16f d0[RB], d1[RB];
+      dot(4 * quad + 2 * pair, d0);
+      dot(4 * quad + 2 * pair + 1, d1);
+      for (int r = 0; r < RB; ++r) l1[r][pair] = fold1(d0[r], d1[r]);
+    }
+    for (int r = 0; r < RB; ++r) l2[r][quad] = fold2(l1[r][0], l1[r][1]);
+  }
+  for (int r = 0; r < RB; ++r) s[r] = fold4(fold3(l2[r][0], l2[r][1]), fold3(l2[r][2], l2[r][3]));
+}
+
+// The online-softmax update of one row by its tile of scores s: hides the
+// masked lanes, rescales the row's outputs o and sum l when its max m grows,
+// and returns exp(s - m) (all 0 when the row sees none of the tile).
+template <int NV>
+inline v16f tile_softmax(v16f s, int64_t row, const TileMask& mask, float& m, float& l, v16f* o) {
+  if (mask.on) {
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int64_t pos = mask.first_pos + row / mask.group;
+    const v16i key = lane + int32_t(mask.start);
+    v16i visible = (key <= int32_t(pos)) & (lane < int32_t(mask.n));
+    if (mask.window > 0) visible &= key > int32_t(pos - mask.window);
+    s = visible ? s : splat(kNegInf);
+  }
+  const float mx = hmax(s);
+  if (mx == kNegInf) return v16f{};
+  if (mx > m) {
+    const float alpha = exp_nonpositive(m - mx);  // 0 from -inf
+    for (int w = 0; w < NV; ++w) o[w] *= alpha;
+    l *= alpha;
+    m = mx;
+  }
+  return exp_nonpositive(s - m);
+}
+
 // Rows [r0, r0 + RB) over one tile of 16 keys and values, read (and
 // converted to fp32) straight from their pages: scores, the online-softmax
-// update of (m, l), and the outputs a.
+// update of (m, l), and the outputs a. q is pre-scaled fp32.
 template <typename T, int NV, int RB>
 inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v16f* a, float* m, float* l,
-                      int64_t r0, const TileMask& mask) {
-  v16f q[RB][NV], dots[RB][kLanes];
+                      int64_t r0, const TileMask& mask, const Ahead& ahead) {
+  v16f q[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int w = 0; w < NV; ++w) q[r][w] = qf[(r0 + r) * NV + w];
-  for (int i = 0; i < kLanes; ++i) {
+  v16f s[RB];
+  tile_scores<RB>(s, [&](int i, v16f* d) {
     v16f kk[NV];
     for (int w = 0; w < NV; ++w) kk[w] = load16(kp[i] + w * kLanes);
+    ahead.k_key(i);
     for (int r = 0; r < RB; ++r) {
-      v16f d = q[r][0] * kk[0];
-      for (int w = 1; w < NV; ++w) d += q[r][w] * kk[w];
-      dots[r][i] = d;
+      d[r] = q[r][0] * kk[0];
+      for (int w = 1; w < NV; ++w) d[r] += q[r][w] * kk[w];
     }
-  }
+  });
   v16f p[RB], o[RB][NV];
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
     for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
-    v16f s = transpose_sum(dots[r]);
-    if (mask.on) {
-      const int64_t pos = mask.first_pos + row / mask.group;
-      const v16i key = lane + int32_t(mask.start);
-      v16i visible = (key <= int32_t(pos)) & (lane < int32_t(mask.n));
-      if (mask.window > 0) visible &= key > int32_t(pos - mask.window);
-      s = visible ? s : splat(kNegInf);
-    }
-    const float mx = hmax(s);
-    if (mx == kNegInf) {  // nothing visible to this row in this tile
-      p[r] = v16f{};
-      continue;
-    }
-    if (mx > m[row]) {
-      const float alpha = exp_nonpositive(m[row] - mx);  // 0 from -inf
-      for (int w = 0; w < NV; ++w) o[r][w] *= alpha;
-      l[row] *= alpha;
-      m[row] = mx;
-    }
-    p[r] = exp_nonpositive(s - m[row]);
+    p[r] = tile_softmax<NV>(s[r], row, mask, m[row], l[row], o[r]);
     l[row] += hsum(p[r]);
   }
   for (int i = 0; i < kLanes; ++i) {
     v16f vv[NV];
     for (int w = 0; w < NV; ++w) vv[w] = load16(vp[i] + w * kLanes);
+    ahead.v_key(i);
     for (int r = 0; r < RB; ++r) {
       const float pi = p[r][i];
       for (int w = 0; w < NV; ++w) o[r][w] += pi * vv[w];
@@ -180,38 +225,124 @@ inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v1
     for (int w = 0; w < NV; ++w) a[(r0 + r) * NV + w] = o[r][w];
 }
 
+#ifdef __AVX512BF16__
+// bf16 with head_dim a multiple of 32, on AVX512-BF16: vdpbf16ps multiplies
+// pairs of bf16 exactly and sums them in fp32, so K and V are never widened.
+// q.K takes the bf16 query as it is (scaled after, in fp32); p.V takes p
+// rounded to bf16 as flash attention does on GPUs, with the row's sum l taken
+// over the same rounded p, so the output stays a convex combination of V
+// rows. The value rows of keys 2i and 2i+1 are interleaved into pairs by
+// unpacklo/hi, which permute dimensions within each 128-bit lane: output
+// vector 2w + h, lane 4 L + t holds dimension 32 w + 8 L + 4 h + t
+// (dp_dim_slot, undone when the output is stored).
+constexpr int64_t dp_dim_slot(int64_t d) {
+  return (2 * (d / 32) + (d % 8) / 4) * kLanes + (d % 32) / 8 * 4 + d % 4;
+}
+
+inline __m512i load_words(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+template <int NV, int RB>
+inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uint16_t* const* vp, v16f* a, float* m,
+                         float* l, int64_t r0, const TileMask& mask, float scale, const Ahead& ahead) {
+  constexpr int NW = NV / 2;  // 32-element words per row
+  __m512bh q[RB][NW];
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < NW; ++w) q[r][w] = (__m512bh)qw[(r0 + r) * NW + w];
+  v16f s[RB];
+  tile_scores<RB>(s, [&](int i, v16f* d) {
+    __m512bh kk[NW];
+    for (int w = 0; w < NW; ++w) kk[w] = (__m512bh)load_words(kp[i] + w * 2 * kLanes);
+    ahead.k_key(i);
+    for (int r = 0; r < RB; ++r) {
+      __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], kk[0]);
+      for (int w = 1; w < NW; ++w) x = _mm512_dpbf16_ps(x, q[r][w], kk[w]);
+      d[r] = (v16f)x;
+    }
+  });
+  alignas(32) uint32_t pairs[RB][kLanes / 2];  // (p[2i], p[2i+1]) as bf16 pairs
+  v16f o[RB][NV];
+  for (int r = 0; r < RB; ++r) {
+    const int64_t row = r0 + r;
+    for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
+    const v16f p = tile_softmax<NV>(s[r] * scale, row, mask, m[row], l[row], o[r]);
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh((__m512)p);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), pb);
+    l[row] += hsum((v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+  }
+  for (int i = 0; i < kLanes / 2; ++i) {
+    __m512bh pp[RB];
+    for (int r = 0; r < RB; ++r) pp[r] = (__m512bh)_mm512_set1_epi32(int32_t(pairs[r][i]));
+    ahead.v_key(2 * i);
+    ahead.v_key(2 * i + 1);
+    for (int w = 0; w < NW; ++w) {
+      const __m512i x = load_words(vp[2 * i] + w * 2 * kLanes), y = load_words(vp[2 * i + 1] + w * 2 * kLanes);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int r = 0; r < RB; ++r) {
+        o[r][2 * w] = (v16f)_mm512_dpbf16_ps((__m512)o[r][2 * w], lo, pp[r]);
+        o[r][2 * w + 1] = (v16f)_mm512_dpbf16_ps((__m512)o[r][2 * w + 1], hi, pp[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int w = 0; w < NV; ++w) a[(r0 + r) * NV + w] = o[r][w];
+}
+#endif
+
+// Whether bf16 rows of NV vectors run on vdpbf16ps (tile_rows_dp).
+template <typename T, int NV>
+constexpr bool kDotBf16 =
+#ifdef __AVX512BF16__
+    std::is_same_v<T, uint16_t> && NV % 2 == 0;
+#else
+    false;
+#endif
+
+// Where output dimension d of a row sits in its accumulator.
+template <typename T, int NV>
+constexpr int64_t acc_slot(int64_t d) {
+#ifdef __AVX512BF16__
+  if constexpr (kDotBf16<T, NV>) return dp_dim_slot(d);
+#endif
+  return d;
+}
+
 // One work item: rows (query j, group head g) as r = j * G + g, over the keys
 // [key_lo, key_hi) of one KV head, leaving its running max, sum and unnormalised
 // output (m, l, acc[D]) per row in part. Keys go in tiles of 16 logical
 // positions (across pages when pages are smaller): per row, one vector of 16
-// scores, one online-softmax update, 16 value rows accumulated.
+// scores, one online-softmax update, 16 value rows accumulated. Keys up to
+// s_len (the next split's) are prefetched.
 template <typename T, int NV>
 void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k, const T* v,
                   const Strides& ks, const Strides& vs, const int32_t* table, int64_t page_size, int64_t kv_head,
                   int64_t group, int64_t num_q, int64_t first_pos, int64_t window, int64_t key_lo, int64_t key_hi,
-                  float scale, float* part, std::vector<v16f>& scratch) {
+                  int64_t s_len, float scale, float* part, std::vector<v16f>& scratch) {
   constexpr int64_t D = NV * kLanes;
+  constexpr bool dp = kDotBf16<T, NV>;
   const int64_t rows = group * num_q;
   scratch.resize(rows * NV);
   constexpr int RB = kRowBlock<NV>;
-  v16f* qf = scratch.data();            // [rows][NV] scaled queries in fp32
   float* m = part;  // part (64-byte aligned): [rows] max, [rows] sum, then at acc_offset [rows, D] acc
   float* l = part + rows;
   v16f* a = reinterpret_cast<v16f*>(part + acc_offset(rows));
   for (int64_t j = 0; j < num_q; ++j)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = q + j * q_token_stride + (kv_head * group + g) * q_head_stride;
-      for (int w = 0; w < NV; ++w) qf[(j * group + g) * NV + w] = load16(src + w * kLanes) * scale;
+      if constexpr (dp)  // [rows][NV / 2] bf16 words, as they are
+        std::memcpy(scratch.data() + (j * group + g) * NV / 2, src, D * sizeof(T));
+      else  // [rows][NV] scaled queries in fp32
+        for (int w = 0; w < NV; ++w) scratch[(j * group + g) * NV + w] = load16(src + w * kLanes) * scale;
     }
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
   for (int64_t i = 0; i < rows * NV; ++i) a[i] = v16f{};
   const int64_t last_pos = first_pos + num_q - 1;
+  // A tile lies within one page when pages hold whole tiles (one table read
+  // per tile); smaller pages are looked up per key.
+  const bool one_page = page_size % kLanes == 0;
+  const int64_t key_bytes = D * sizeof(T);
   for (int64_t start = key_lo; start < key_hi; start += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, key_hi - start);
-    // A tile lies within one page when pages hold whole tiles (one table
-    // read per tile); smaller pages are looked up per key.
-    const bool one_page = page_size % kLanes == 0;
     const int64_t tile_page = one_page ? table[start / page_size] : 0, tile_slot = start % page_size;
     // Lanes past the tile's end read its first key: valid memory, masked.
     const T* kp[kLanes];
@@ -225,22 +356,22 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
       kp[i] = k + page * ks.page + kv_head * ks.head + slot * ks.slot;
       vp[i] = v + page * vs.page + kv_head * vs.head + slot * vs.slot;
     }
-    // The tile after next, so that its reads overlap this tile's math: the
+    // The tile kPrefetchKeys ahead, so that its reads overlap this math: the
     // loads stalled on memory without it.
-    for (int64_t ahead = start + kPrefetchKeys, end = std::min(key_hi, ahead + kLanes); ahead < end; ++ahead) {
-      int64_t page, slot;
-      if (one_page) {  // the tile ahead lies in one page too
-        page = table[(start + kPrefetchKeys) / page_size];
-        slot = (start + kPrefetchKeys) % page_size + (ahead - start - kPrefetchKeys);
-      } else {
-        page = table[ahead / page_size];
-        slot = ahead % page_size;
-      }
-      const char* kn = reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot);
-      const char* vn = reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot);
-      for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) {
-        __builtin_prefetch(kn + b);
-        __builtin_prefetch(vn + b);
+    Ahead ahead;
+    const int64_t next = start + kPrefetchKeys;
+    if (one_page && next < s_len) {
+      const int64_t page = table[next / page_size], slot = next % page_size;
+      ahead = {reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot),
+               reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot),
+               int64_t(ks.slot * sizeof(T)), int64_t(vs.slot * sizeof(T)), key_bytes};
+    } else {
+      for (int64_t pos = next, end = std::min(s_len, next + kLanes); pos < end; ++pos) {
+        const int64_t page = table[pos / page_size], slot = pos % page_size;
+        Ahead::key(reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot), 0,
+                   key_bytes, 0);
+        Ahead::key(reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot), 0,
+                   key_bytes, 0);
       }
     }
     // Only a tile past the first query's position, reaching below the last
@@ -248,12 +379,22 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
     const bool masked =
         start + kLanes - 1 > first_pos || (window > 0 && start <= last_pos - window) || n < kLanes;
     const TileMask mask{masked, first_pos, group, start, n, window};
+    auto block = [&](auto rb, int64_t r) {
+      constexpr int B = decltype(rb)::value;
+#ifdef __AVX512BF16__
+      if constexpr (dp) {
+        tile_rows_dp<NV, B>(reinterpret_cast<const __m512i*>(scratch.data()), kp, vp, a, m, l, r, mask, scale, ahead);
+        return;
+      }
+#endif
+      if constexpr (!dp) tile_rows<T, NV, B>(scratch.data(), kp, vp, a, m, l, r, mask, ahead);
+    };
     int64_t r = 0;
-    for (; r + RB <= rows; r += RB) tile_rows<T, NV, RB>(qf, kp, vp, a, m, l, r, mask);
+    for (; r + RB <= rows; r += RB) block(std::integral_constant<int, RB>{}, r);
     switch (rows - r) {  // the last, shorter block of rows
 #define AGENTKV_ROWS(rb) \
   case rb:               \
-    if constexpr (rb < RB) tile_rows<T, NV, rb>(qf, kp, vp, a, m, l, r, mask); \
+    if constexpr (rb < RB) block(std::integral_constant<int, rb>{}, r); \
     break;
       AGENTKV_ROWS(1) AGENTKV_ROWS(2) AGENTKV_ROWS(3)
 #undef AGENTKV_ROWS
@@ -314,7 +455,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const Item& it = items[i];
       const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
       attend_split<T, NV>(qp + cu[it.seq] * qt, qt, qh, kp, vp, ks, vs, tables + it.seq * table_stride, page_size,
-                          it.head, group, num_q, lens[it.seq] - num_q, window, it.key_lo, it.key_hi, float(scale),
+                          it.head, group, num_q, lens[it.seq] - num_q, window, it.key_lo, it.key_hi, lens[it.seq], float(scale),
                           parts + it.part, scratch);
     }
   });
@@ -344,7 +485,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         }
         const float inv = 1.0f / total;
         T* dst = op + (cu[b] + r / group) * ot + (h * group + r % group) * oh;
-        for (int64_t d = 0; d < D; ++d) store(dst + d, o[d / kLanes][d % kLanes] * inv);
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t slot = acc_slot<T, NV>(d);
+          store(dst + d, o[slot / kLanes][slot % kLanes] * inv);
+        }
       }
     }
   });

@@ -19,7 +19,8 @@ if not cpu_paged_attention.available():
 
 # (page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window, scattered pages)
 CASES = [
-    # decode steps, lengths on and off page and tile edges, MHA
+    # decode steps, lengths on and off page and tile edges, MHA; head_dim 16 and 80 (not
+    # whole 32-lane bf16 words) take bf16 widened to fp32, the others vdpbf16ps where the CPU has it
     (16, (2, 2), 16, [(1, 0), (1, 15), (1, 16), (1, 31), (1, 47)], 0, True),
     # SmolLM2's heads; verify steps (k+1) next to decodes, a mixed step with a prefill chunk
     (16, (9, 3), 64, [(1, 100), (5, 60), (17, 30), (16, 0), (3, 2)], 0, True),
@@ -34,7 +35,11 @@ CASES = [
     (16, (4, 2), 64, [(2, 20), (1, 9)], 64, False),
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# bf16: the kernel takes q.K and p.V on vdpbf16ps where the CPU has it, with p
+# rounded to bf16 as flash attention does on GPUs; its error over these cases
+# (at most 7.7e-3) is that of rounding the exact result to bf16 alone, so the
+# bound is two bf16 ulps (2 * 2^-8 relative) plus a little for outputs near 0.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (4e-3, 2 * 2**-8)}
 
 
 def build(case, dtype: torch.dtype, seed: int = 0):
@@ -79,7 +84,7 @@ def test_matches_naive(case, dtype, split, monkeypatch):
     got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, scale, case[4])
     assert got.dtype == dtype and got.shape == q.shape and not got.isnan().any()
     want = reference.naive_paged_attention(q, k_cache, v_cache, meta, scale, case[4])
-    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
 @pytest.mark.parametrize("max_queries", [1, 4])
