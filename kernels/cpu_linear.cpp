@@ -3,7 +3,11 @@
 //   fp32: [out/16][in][16]          one FMA per input per 16 outputs
 //   bf16: [out/16][ceil(in/2)][16][2] pairs of inputs, as vdpbf16ps takes them
 // Work is split over output blocks (both cores busy at one row); each thread
-// runs tiles of up to kRows rows x 4 blocks over its blocks.
+// runs tiles of up to kRows rows x 4 blocks over its blocks. No software
+// prefetch: each tile reads 4 sequential streams, which the hardware
+// prefetchers follow; _mm_prefetch 512 B - 4 KiB ahead measured no faster
+// (a SmolLM2 decode step's linears, bf16, one thread: 18-20 against 22 GB/s
+// without, docs/bench_cpu_linear.md).
 //
 // Bit invariance: every output element accumulates over `in` in the same
 // order with the same instruction whatever the tile it falls in (a tile's
@@ -24,8 +28,6 @@ namespace {
 constexpr int64_t kBlock = 16;  // outputs per packed block: one fp32 vector
 constexpr int kVecs = 4;        // blocks per tile
 constexpr int kRows = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers
-// Bytes ahead of the current input that each weight stream is prefetched.
-constexpr int64_t kPrefetchBytes = 1024;
 
 #ifdef __AVX512F__
 
@@ -72,7 +74,6 @@ inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, __m512 (&a
   for (int64_t k = 0; k < a.in; ++k) {
     __m512 wv[V];
     for (int v = 0; v < V; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[v] + k * kBlock) + kPrefetchBytes, _MM_HINT_T0);
       wv[v] = _mm512_loadu_ps(w[v] + k * kBlock);
     }
     for (int r = 0; r < R; ++r) {
@@ -92,7 +93,6 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[V];
     for (int v = 0; v < V; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[v] + p * 2 * kBlock) + kPrefetchBytes, _MM_HINT_T0);
       wv[v] = (__m512bh)_mm512_loadu_si512(w[v] + p * 2 * kBlock);
     }
     for (int r = 0; r < R; ++r) {
