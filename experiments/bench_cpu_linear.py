@@ -77,27 +77,26 @@ def time_case(dtype: torch.dtype, n_in: int, n_out: int, rows: int, args, gen: t
 
 def plot(results: dict, path) -> None:
     plt = pyplot()
-    rows = results["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, dtype in zip(axes, ("bfloat16", "float32")):
-        for threads, style in ((1, "-"), (2, "--")):
-            step = [r for r in results["step"] if r["dtype"] == dtype and r["threads"] == threads]
-            if not step:
-                continue
-            ts = [r["rows"] for r in step]
-            ax.plot(ts, [r["onednn_ms"] / r["cpp_ms"] for r in step], style, marker="o",
-                    label=f"smollm2 step, {threads} thread(s)")
+        for model in results["args"]["models"].split(","):
+            for threads, style in ((1, "-"), (2, "--")):
+                step = [r for r in results["step"]
+                        if r["model"] == model and r["dtype"] == dtype and r["threads"] == threads]
+                if step:
+                    ax.plot([r["rows"] for r in step], [r["onednn_ms"] / r["cpp_ms"] for r in step], style,
+                            marker="o", label=f"{model}, {threads} thread(s)")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows (T)")
         ax.set_title(f"{dtype}: oneDNN time / kernel time, all linears of a step")
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     axes[0].set_ylabel("speed-up of the kernel")
-    del rows
     save_figure(fig, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,8,16,32,256,512")
     p.add_argument("--threads", default="1,2")
@@ -105,7 +104,7 @@ def main() -> None:
     p.add_argument("--models", default="smollm2-135m,agent-8m")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--stream-mb", type=int, default=96, help="weights cycled per case, to defeat the caches")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     row_counts = [int(r) for r in args.rows.split(",")]
     threads_list = [int(t) for t in args.threads.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -161,6 +160,7 @@ def main() -> None:
     )
     results = {"args": vars(args), "machine": machine(), "read_GBps": bandwidth, "rows": rows, "step": step}
     publish(out, results, text, {"bench_cpu_linear.png": plot})
+    return results
 
 
 if __name__ == "__main__":

@@ -167,3 +167,16 @@ def test_choose_prefers_the_kernel_and_rejects_unknown_names():
         onednn_linear.choose(torch.float32, cpu, "mkl")
     with pytest.raises(ValueError):
         onednn_linear.PackedWeights("auto")
+
+
+def test_bench_runs_and_sums_a_step():
+    """Smoke test of experiments.bench_cpu_linear on agent-8m's shapes."""
+    needs(torch.float32)
+    from experiments import bench_cpu_linear
+
+    res = bench_cpu_linear.main(["--models", "agent-8m", "--rows", "1,3", "--threads", "1", "--dtypes", "float32",
+                                 "--repeats", "1", "--stream-mb", "1"])
+    assert len(res["rows"]) == 5 * 2 and res["read_GBps"][1] > 0
+    step = {s["rows"]: s for s in res["step"]}
+    per_layer = sum(r["cpp_ms"] * r["per_step"] for r in res["rows"] if r["rows"] == 3)
+    assert step[3]["cpp_ms"] == pytest.approx(per_layer) and step[1]["weight_MB"] > 15
