@@ -8,20 +8,18 @@ gather. Sequences with more than MAX_QUERIES queries in the step (prefill
 chunks, which are compute- rather than read-bound) go to the torch reference,
 whose oneDNN GEMMs are faster there.
 
-The extension is compiled on first use (torch.utils.cpp_extension, cached under
-TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions) for the CPU it runs on; a
-machine without a C++ compiler or ninja raises CpuKernelUnavailable here, and
+The extension is compiled on first use (kernels/cpu_extension.py); a machine
+without a C++ compiler or ninja raises CpuKernelUnavailable here, and
 kernels.paged_attention falls back to the torch reference.
 """
 from __future__ import annotations
 
-import hashlib
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import cpu_extension, reference
+from kernels.cpu_extension import CpuKernelUnavailable
 from kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -47,44 +45,13 @@ SPLIT = 512
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-class CpuKernelUnavailable(RuntimeError):
-    """The C++ attention extension could not be built or loaded here."""
-
-
 _build: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    # -march=native code runs only on CPUs with the same features: the build
-    # is cached per feature set, so a shared cache never hands one CPU
-    # another's binary.
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
-
-
 def _op():
-    if "op" in _build:
-        return _build["op"]
-    if "error" in _build:
-        raise CpuKernelUnavailable(_build["error"])
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(
-            name=f"agentkv_cpu_attention_{_cpu_tag()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-        _build["op"] = torch.ops.agentkv_cpu.paged_attention_few
-    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
-        _build["error"] = f"building {SOURCE.name} failed (needs a C++ compiler and ninja): {e}"
-        raise CpuKernelUnavailable(_build["error"]) from e
-    return _build["op"]
+    return cpu_extension.load(
+        _build, "agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few
+    )
 
 
 def build_error() -> str:

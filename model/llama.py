@@ -27,17 +27,6 @@ def is_linear_weight(name: str) -> bool:
     return name == "lm_head" or name.endswith("_weight")
 
 
-# oneDNN's packed kernels give a row the same bits however many rows share
-# the call from two up, but one row takes another kernel, whose fp32 sums
-# differ from 1536 inputs on. Fewer rows than this are padded to it (with
-# zeros, dropped after): any count from two keeps the bits, and four ran
-# fastest. SmolLM2 shape, one thread, a decode step at 2k context in fp32:
-# one row as is 58.6 ms, padded to 2 rows 68.9, to 4 51.7, to 8 61.7, the
-# plain matmul 49.4; two decodes 78.5 ms as is, 62.8 padded; in bf16 one
-# decode 40.4 ms as is, 38.4 padded.
-MIN_PACKED_ROWS = 4
-
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights | None = None
 ) -> torch.Tensor:
@@ -46,16 +35,13 @@ def linear(
 
     Each row's result must not depend on how many rows share the call, or a
     sequence's logits would depend on what else is in its step. With packed
-    (see Transformer.prepack) oneDNN runs it on a packed copy, padded to
-    MIN_PACKED_ROWS rows, which holds that. Where nothing is packed (no
-    oneDNN, a GPU) the plain matmul runs, and on CPU no invariance is claimed
-    there: fp32 rows differ between fewer than 4 rows and more."""
+    (see Transformer.prepack) the C++ kernel or oneDNN runs it on a packed
+    copy, which holds that (model/onednn_linear.py). Where nothing is packed
+    (a GPU, a dtype neither runs) the plain matmul runs, and on CPU no
+    invariance is claimed there: fp32 rows differ between fewer than 4 rows
+    and more."""
     if packed is not None:
-        rows = x.shape[0]
-        if rows < MIN_PACKED_ROWS:
-            x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
-            return onednn_linear.packed_linear(x, packed.get(weight), bias)[:rows]
-        return onednn_linear.packed_linear(x, packed.get(weight), bias)
+        return packed.linear(x, weight, bias)
     return torch.addmm(bias, x, weight) if bias is not None else x @ weight
 
 
@@ -149,15 +135,17 @@ class Transformer(nn.Module):
     def min_rows(self) -> int:
         """The fewest rows a forward runs: a step of fewer tokens is padded
         to this many once, at the embedding, rather than at every linear
-        (see linear and MIN_PACKED_ROWS)."""
-        return MIN_PACKED_ROWS if self.packed is not None else 1
+        (see linear and PackedWeights.min_rows)."""
+        return self.packed.min_rows if self.packed is not None else 1
 
     @torch.inference_mode()
-    def prepack(self, enabled: bool = True) -> None:
-        """Run the linears on oneDNN with packed copies of their weights where
-        it runs this dtype on this device (see model/onednn_linear.py), packing
-        them now; enabled=False goes back to plain matmuls (for ablations)."""
-        packed = PackedWeights() if enabled and onednn_linear.supported(self.dtype, self.device) else None
+    def prepack(self, enabled: bool = True, kernel: str = "auto") -> None:
+        """Run the linears on packed copies of their weights, the C++ kernel's
+        or oneDNN's (kernel "auto": the C++ one where it runs this dtype on
+        this device, see onednn_linear.choose), packing them now;
+        enabled=False goes back to plain matmuls (for ablations)."""
+        chosen = onednn_linear.choose(self.dtype, self.device, kernel) if enabled else None
+        packed = PackedWeights(chosen) if chosen is not None else None
         for module in self.modules():
             if hasattr(module, "packed"):
                 module.packed = packed
