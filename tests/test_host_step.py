@@ -65,7 +65,8 @@ def _steps(model, runner_scratch: bool) -> list[torch.Tensor]:
         scratch = runner._scratch
         buffers = dict(scratch._o_rows)
         out += runner.step([StepItem(a, [12], 1)])
-        assert buffers and scratch._o_rows.keys() == buffers.keys()
+        assert bool(buffers) == (model.min_rows > 1)  # only padded steps need them
+        assert scratch._o_rows.keys() == buffers.keys()
         assert all(scratch._o_rows[k] is v for k, v in buffers.items())
         # Padding rows hold an earlier step's attention rows: finite values,
         # and which ones changes no bit of a real row (the fresh run pads zeros).
@@ -75,10 +76,13 @@ def _steps(model, runner_scratch: bool) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("kernel", ["onednn", "cpp"])  # oneDNN pads a step to 4 rows, the C++ kernel does not
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kept_scratch_changes_no_bit(dtype):
+def test_kept_scratch_changes_no_bit(dtype, kernel):
     model = random_model("tiny", dtype, seed=3)
-    model.prepack()
+    model.prepack(kernel=kernel)
+    if model.packed is None or model.packed.kernel != kernel:
+        pytest.skip(f"{kernel} linears do not run {dtype} here")
     kept, fresh = _steps(model, True), _steps(model, False)
     assert all(torch.equal(x, y) for x, y in zip(kept, fresh[: len(kept)]))
 
