@@ -1,5 +1,5 @@
 """CPU linears on thin and prefill-sized inputs: oneDNN with packed weights
-(model/onednn_linear.py) against the weight-streaming C++ kernel
+(model/packed_linear.py) against the weight-streaming C++ kernel
 (kernels/cpu_linear.py), as ms per call and GB/s of weights read, next to a
 plain memory read measured in the same run.
 
@@ -26,7 +26,7 @@ from experiments.bench_cpu_attention import read_bandwidth
 from experiments.common import SHAPES, machine, median, run_dir
 from experiments.report import publish, pyplot, save_figure, table
 from kernels import cpu_linear
-from model import onednn_linear
+from model import packed_linear
 
 
 def model_shapes(name: str, hf: dict) -> list[tuple[str, int, int, int]]:
@@ -57,10 +57,10 @@ def time_case(dtype: torch.dtype, n_in: int, n_out: int, rows: int, args, gen: t
         copies = min(copies, 2)
     weights = [w.clone() for _ in range(copies)]
     packed = {
-        "onednn": [onednn_linear.pack(c) for c in weights],
+        "onednn": [packed_linear.pack(c) for c in weights],
         "cpp": [cpu_linear.pack(c) for c in weights],
     }
-    run = {"onednn": onednn_linear.packed_linear, "cpp": cpu_linear.linear}
+    run = {"onednn": packed_linear.packed_linear, "cpp": cpu_linear.linear}
     x = torch.randn(rows, n_in, generator=gen).to(dtype)
     times = {p: [] for p in PATHS}
     for p in PATHS:  # warm-up

@@ -27,7 +27,7 @@ def random_init(model: Transformer, seed: int) -> None:
     """Normal(0, 0.02) weights, unit norms: deterministic for a seed."""
     gen = torch.Generator().manual_seed(seed)
     # Writes under no_grad, not through .data: they must move the weights'
-    # version counters, by which packed copies notice (onednn_linear.PackedWeights).
+    # version counters, by which packed copies notice (packed_linear.PackedWeights).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm"):

@@ -11,9 +11,9 @@ from torch import nn
 
 import kernels
 from kernels import AttnMetadata
-from model import onednn_linear
-from model.onednn_linear import PackedWeights
+from model import packed_linear
 from model.config import ModelConfig
+from model.packed_linear import PackedWeights
 from model.rope import rope_tables
 
 
@@ -36,7 +36,7 @@ def linear(
     Each row's result must not depend on how many rows share the call, or a
     sequence's logits would depend on what else is in its step. With packed
     (see Transformer.prepack) the C++ kernel or oneDNN runs it on a packed
-    copy, which holds that (model/onednn_linear.py). Where nothing is packed
+    copy, which holds that (model/packed_linear.py). Where nothing is packed
     (a GPU, a dtype neither runs) the plain matmul runs, and on CPU no
     invariance is claimed there: fp32 rows differ between fewer than 4 rows
     and more."""
@@ -142,9 +142,9 @@ class Transformer(nn.Module):
     def prepack(self, enabled: bool = True, kernel: str = "auto") -> None:
         """Run the linears on packed copies of their weights, the C++ kernel's
         or oneDNN's (kernel "auto": the C++ one where it runs this dtype on
-        this device, see onednn_linear.choose), packing them now;
+        this device, see packed_linear.choose), packing them now;
         enabled=False goes back to plain matmuls (for ablations)."""
-        chosen = onednn_linear.choose(self.dtype, self.device, kernel) if enabled else None
+        chosen = packed_linear.choose(self.dtype, self.device, kernel) if enabled else None
         packed = PackedWeights(chosen) if chosen is not None else None
         for module in self.modules():
             if hasattr(module, "packed"):

@@ -95,7 +95,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
             raise ModelLoadError(
                 f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
             )
-        with torch.no_grad():  # not .data: the copy must move the version counter (onednn_linear.PackedWeights)
+        with torch.no_grad():  # not .data: the copy must move the version counter (packed_linear.PackedWeights)
             params[ours].copy_(value)
     return model
 

@@ -10,7 +10,7 @@ import torch
 from cache.pool import PagePool
 from kernels import reference
 from kernels.metadata import AttnMetadata
-from model import onednn_linear
+from model import packed_linear
 from model.config import ModelConfig
 from model.default import random_init
 from model.llama import Transformer
@@ -142,7 +142,7 @@ def _run(model, step_len: int, table: list[int], others: bool) -> tuple[torch.Te
 @pytest.mark.parametrize("window", [0, 13], ids=["full", "window13"])
 @pytest.mark.parametrize("step_len", [1, 5, 20], ids=["decode", "verify", "chunk"])
 def test_model_logits_do_not_depend_on_batch_or_placement(step_len, window, dtype, monkeypatch):
-    if not onednn_linear.supported(dtype, torch.device("cpu")):
+    if not packed_linear.supported(dtype, torch.device("cpu")):
         pytest.skip(f"row-invariant linears need oneDNN to run {dtype}")
     monkeypatch.setattr(reference, "KEY_BLOCK", 16)  # the sequence spans several key blocks
     cfg = dict(TINY, model_type="mistral", sliding_window=window) if window else dict(TINY, model_type="llama")

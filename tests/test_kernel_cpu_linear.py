@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_linear
-from model import onednn_linear
+from model import packed_linear
 from model.llama import linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -126,7 +126,7 @@ def test_packed_weights_repack_when_a_weight_changes(dtype):
     write through .data (documented: prepack again after one)."""
     needs(dtype)
     x, w, b = case(40, 24, 3, dtype, False)
-    packed = onednn_linear.PackedWeights("cpp")
+    packed = packed_linear.PackedWeights("cpp")
     first = linear(x, w, None, packed)
     assert packed.get(w) is packed.get(w)
     with torch.no_grad():
@@ -143,15 +143,15 @@ def test_packed_weights_repack_when_a_weight_changes(dtype):
 
 def test_a_failed_build_falls_back_to_onednn_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_build", {"error": "building cpu_linear.cpp failed: no g++"})
-    monkeypatch.setattr(onednn_linear, "_warned", [])
+    monkeypatch.setattr(packed_linear, "_warned", [])
     cpu = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="no g\\+\\+"):
-        chosen = onednn_linear.choose(torch.float32, cpu)
-    assert chosen == ("onednn" if onednn_linear.supported(torch.float32, cpu) else None)
+        chosen = packed_linear.choose(torch.float32, cpu)
+    assert chosen == ("onednn" if packed_linear.supported(torch.float32, cpu) else None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert onednn_linear.choose(torch.float32, cpu) == chosen  # warned once
-        assert onednn_linear.choose(torch.float32, cpu, "cpp") is None
+        assert packed_linear.choose(torch.float32, cpu) == chosen  # warned once
+        assert packed_linear.choose(torch.float32, cpu, "cpp") is None
     assert cpu_linear.dtypes() == ()
     with pytest.raises(cpu_linear.CpuKernelUnavailable, match="no g\\+\\+"):
         cpu_linear.linear(torch.ones(1, 4), cpu_linear.pack(torch.ones(4, 4)))
@@ -160,13 +160,13 @@ def test_a_failed_build_falls_back_to_onednn_with_one_warning(monkeypatch):
 def test_choose_prefers_the_kernel_and_rejects_unknown_names():
     cpu = torch.device("cpu")
     for dtype in cpu_linear.dtypes():
-        assert onednn_linear.choose(dtype, cpu) == "cpp"
-    assert onednn_linear.choose(torch.float32, torch.device("meta")) is None
-    assert onednn_linear.choose(torch.float16, cpu, "cpp") is None
+        assert packed_linear.choose(dtype, cpu) == "cpp"
+    assert packed_linear.choose(torch.float32, torch.device("meta")) is None
+    assert packed_linear.choose(torch.float16, cpu, "cpp") is None
     with pytest.raises(ValueError):
-        onednn_linear.choose(torch.float32, cpu, "mkl")
+        packed_linear.choose(torch.float32, cpu, "mkl")
     with pytest.raises(ValueError):
-        onednn_linear.PackedWeights("auto")
+        packed_linear.PackedWeights("auto")
 
 
 def test_bench_runs_and_sums_a_step():

@@ -6,7 +6,7 @@ import torch
 
 from experiments.common import random_model
 from kernels.metadata import AttnMetadata
-from model import onednn_linear
+from model import packed_linear
 from model.default import random_init
 from model.llama import linear
 
@@ -14,7 +14,7 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 
 
 def needs(dtype: torch.dtype) -> None:
-    if not onednn_linear.supported(dtype, torch.device("cpu")):
+    if not packed_linear.supported(dtype, torch.device("cpu")):
         pytest.skip(f"oneDNN does not run {dtype} linears on this CPU")
 
 
@@ -29,10 +29,10 @@ def test_packed_linear_matches_matmul(dtype_tol, rows, bias):
     b = torch.randn(160, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 96, generator=g).to(dtype)
     want = x.double() @ weight.double() + (b.double() if bias else 0)
-    got = onednn_linear.packed_linear(x, onednn_linear.pack(weight), b)
+    got = packed_linear.packed_linear(x, packed_linear.pack(weight), b)
     assert got.dtype == dtype and got.shape == (rows, 160)
     torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
-    torch.testing.assert_close(linear(x, weight, b, onednn_linear.PackedWeights()).double(), want, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(linear(x, weight, b, packed_linear.PackedWeights()).double(), want, atol=tol * 10, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -47,7 +47,7 @@ def test_packed_linear_rows_do_not_depend_on_row_count(dtype, shape, bias):
     weight = torch.randn(*shape, generator=g).to(dtype)
     b = torch.randn(shape[1], generator=g).to(dtype) if bias else None
     x = torch.randn(64, shape[0], generator=g).to(dtype)
-    packed = onednn_linear.PackedWeights()
+    packed = packed_linear.PackedWeights()
     every = linear(x, weight, b, packed)
     for rows in (1, 2, 3, 5, 17):
         assert torch.equal(linear(x[:rows], weight, b, packed), every[:rows]), f"{rows} rows"
