@@ -1,6 +1,6 @@
 """Command line of the engine.
 
-    python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32] [--kv-cache-gb 1]
+    python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32|auto] [--kv-cache-gb 1]
         # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
     python serve.py demo [--agents 6] [--kv-fraction 0.3]   # many agents with tool pauses, three ways to serve them
     python serve.py cluster --replicas 2 --state-dir DIR [--port 8000]   # replicas behind vllm-router (engine.api.cluster)
@@ -35,7 +35,9 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (default: the embedded model)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32, bfloat16, float16, or auto: the checkpoint's own dtype where the device "
+                             "computes in it (bf16 on a CPU with AVX512-BF16, else float32)")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache's pages")
     parser.add_argument("--no-constrain-auto", action="store_true",
                         help="decode tool_choice \"auto\" unconstrained (default: a call the model opens is held to "

@@ -164,9 +164,11 @@ class Engine:
         **kwargs,
     ) -> "Engine":
         """Load a Hugging Face checkpoint directory; with no path, the embedded
-        default model (made on first use, no download)."""
+        default model (made on first use, no download). dtype "auto": the
+        checkpoint's own where the device computes in it (model.loader.resolve_dtype)."""
         path = Path(path) if path is not None else default_model_dir()
-        model = load_model(path, parse_dtype(dtype), device)
+        parse_dtype(dtype)  # a bad name fails before the default model is made
+        model = load_model(path, dtype, device)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tokenizer, **kwargs)
 

@@ -61,7 +61,7 @@ def system_engine(system: str, base: Engine, kv_bytes: int, offload_bytes: int) 
 
 
 def agents_run(args: argparse.Namespace) -> dict:
-    base = Engine.from_pretrained(args.model, num_pages=1)  # the model and tokenizer; each system gets its own pool
+    base = Engine.from_pretrained(args.model, dtype=args.dtype, num_pages=1)  # the model and tokenizer; each system gets its own pool
     wf = plan(args.seed, args.agents, args.turns_per_agent)
     token_bytes = base.pool.token_bytes
     try:
@@ -112,7 +112,7 @@ def replay(args: argparse.Namespace) -> list[dict]:
     """Each turn sends the agent's history with the reference assistant
     messages, as an agent framework re-sends it, and generates as many
     tokens as the reference reply has, so both modes do the same work."""
-    stateful = Engine.from_pretrained(args.model)
+    stateful = Engine.from_pretrained(args.model, dtype=args.dtype)
     stateless = Engine(stateful.model, stateful.tokenizer, stateless=True)
     reqs = prepare_requests(stateful.tokenizer, replay_workflow(args.shape, args.seed), None, None)
     sessions = {}
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> dict | list[dict]:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16, or auto (the checkpoint's own where the CPU computes in it)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if args.shape == "agents":

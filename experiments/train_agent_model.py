@@ -183,7 +183,7 @@ def export_hf(model: Transformer, out: Path, tok: Tokenizer, shape: dict, dtype:
 
 def load_hf_weights(model: Transformer, path: Path) -> None:
     """Weights of an HF checkpoint (through our loader) into a model of its shape."""
-    src = dict(load_model(path).named_parameters())
+    src = dict(load_model(path, "float32").named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(src[name].to(p.device))

@@ -32,6 +32,8 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The checkpoint's own dtype name ("bfloat16", ...), what dtype "auto" loads.
+    torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -82,6 +84,7 @@ class ModelConfig:
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+                torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None

@@ -21,14 +21,38 @@ from model.llama import Transformer, is_linear_weight
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    """The torch dtype a name stands for; None for "auto" (see resolve_dtype)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ModelLoadError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+            raise ModelLoadError(f"dtype {dtype} is not supported; use auto or one of {', '.join(DTYPES)}")
         return dtype
+    if dtype == "auto":
+        return None
     if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _cpu_has_bf16_dot() -> bool:
+    # A private probe, hence the fallback: without AVX512-BF16 a bf16 CPU
+    # step converts every operand and runs slower than fp32.
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
+    """dtype, or for "auto" the checkpoint's own (config.json's torch_dtype),
+    as vLLM's auto does, where the device computes in it: a CPU without
+    AVX512-BF16 runs bf16 checkpoints in fp32, and no CPU runs fp16 (torch
+    has no fast fp16 CPU kernels); float32 when the checkpoint names none."""
+    chosen = parse_dtype(dtype)
+    if chosen is not None:
+        return chosen
+    own = DTYPES.get(cfg.torch_dtype or "float32", torch.float32)
+    if torch.device(device).type == "cpu" and (own == torch.float16 or (own == torch.bfloat16 and not _cpu_has_bf16_dot())):
+        return torch.float32
+    return own
 
 
 def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
@@ -72,7 +96,7 @@ def _shard_files(path: Path) -> dict[str, Path]:
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
     files = _shard_files(path)
     model = Transformer(cfg, torch_dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -90,9 +90,9 @@ def test_tiny_run_writes_a_flat_sharded_hf_checkpoint(trained):
 def test_engine_transformers_and_trainer_logits_match(trained):
     from transformers import AutoModelForCausalLM
 
-    eng = Engine.from_pretrained(trained, page_size=16, num_pages=256)
+    eng = Engine.from_pretrained(trained, dtype="float32", page_size=16, num_pages=256)
     hf = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
-    ours = load_model(trained)  # the training forward, on the weights the loader reads back
+    ours = load_model(trained, "float32")  # the training forward, on the weights the loader reads back
     tok = Tokenizer.from_dir(trained)
     turn = D.eval_turns(1, D.Renderer(tok), 1024)[0]
     chat = tok.apply_chat_template(turn.messages, tools=turn.tools)[:300]
