@@ -220,10 +220,13 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
     sliding_window: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
-    at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
-    out = torch.empty_like(q)
+    at positions <= position(t) (and > position(t) - sliding_window when > 0),
+    into out (shaped like q) when given, else a new tensor."""
+    if out is None:
+        out = torch.empty_like(q)
     paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window)
     return out
 

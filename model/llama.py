@@ -11,6 +11,7 @@ from torch import nn
 
 import kernels
 from kernels import AttnMetadata
+from kernels.metadata import bucket
 from model import packed_linear
 from model.config import ModelConfig
 from model.packed_linear import PackedWeights
@@ -62,26 +63,21 @@ class Attention(nn.Module):
 
     def forward(
         self, ops: kernels.StepKernels, x: torch.Tensor, meta: AttnMetadata, k_cache, v_cache, cos, sin,
-        o_rows: torch.Tensor | None,
+        o_rows: torch.Tensor, o_heads: torch.Tensor,
     ) -> torch.Tensor:
         """x: [R, hidden], the step's T tokens and R - T padding rows (see
-        Transformer.min_rows); o_rows: a [R, heads * head_dim] the
-        attention's T rows are written into when R > T, so that no layer pads
-        (see ForwardScratch.o_rows)."""
+        Transformer.min_rows); o_rows: the [R, heads * head_dim] the output
+        projection reads, whose first T rows o_heads views as [T, heads,
+        head_dim]: the attention writes them there (see ForwardScratch.attention_rows)."""
         t = meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         hq, hkv = self.num_heads, self.num_kv_heads
         # One view by head, then q, k and v as slices of it (5 ops, not 9).
-        heads = (qkv if o_rows is None else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
-        q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
-        q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
-        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
-        if o_rows is None:
-            o = o.view(t, hq * self.head_dim)
-        else:
-            o_rows[:t].view(o.shape).copy_(o)
-            o = o_rows
-        return linear(o, self.o_weight, self.o_bias, self.packed)
+        heads = (qkv if qkv.shape[0] == t else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
+        q = ops.rope_and_store(heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :], cos, sin, k_cache,
+                               v_cache, meta)
+        ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, out=o_heads)
+        return linear(o_rows, self.o_weight, self.o_bias, self.packed)
 
 
 class FeedForward(nn.Module):
@@ -178,12 +174,13 @@ class Transformer(nn.Module):
         # bookkeeping is a few microseconds a call, 11 calls a layer).
         ops = kernels.select(h, layers[0][0])
         norm = ops.rmsnorm
-        o_rows = scratch.o_rows(h.shape[0], meta.num_tokens, self.cfg.num_heads * self.cfg.head_dim, h.dtype)
+        cfg = self.cfg
+        o_rows, o_heads = scratch.attention_rows(h.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, h.dtype)
         cos, sin = self.cos, self.sin
         residual = None
         for block, (k_cache, v_cache) in zip(self.blocks, layers):
             x, residual = norm(h, block.attn_norm, eps, residual)
-            h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows)
+            h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows, o_heads)
             x, residual = norm(h, block.mlp_norm, eps, residual)
             h = block.mlp.forward(x)
         if logit_indices is not None:
@@ -197,25 +194,32 @@ class Transformer(nn.Module):
 
 class ForwardScratch:
     """What a runner keeps for the forwards over its page pool, across steps:
-    each layer's (K pages, V pages) views of the pool, and the attention
-    rows of padded steps (see Attention.forward). One per runner,
-    never shared between threads (engines may share a model, not this)."""
+    each layer's (K pages, V pages) views of the pool, and the rows the
+    attention writes and the output projection reads (see
+    Attention.forward). One per runner, never shared between threads
+    (engines may share a model, not this)."""
 
     def __init__(self, kv: torch.Tensor):
         self.kv = kv
         self.layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-        self._o_rows: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._attention: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def o_rows(self, rows: int, t: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A [rows, dim] for a forward of t < rows tokens (None when t ==
-        rows). Its padding rows hold zeros or an earlier step's attention rows:
-        finite values, which reach no real row (a row of a linear's output
-        depends on its own input row alone, and the invariance tests hold the
-        bits), so nothing is cleared per step."""
-        if rows == t:
-            return None
-        key = (rows, dim, dtype)
-        buf = self._o_rows.get(key)
-        if buf is None:
-            buf = self._o_rows[key] = torch.zeros(rows, dim, dtype=dtype, device=self.kv.device)
-        return buf
+    def attention_rows(
+        self, rows: int, t: int, heads: int, head_dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rows, heads * head_dim] for a forward of t <= rows tokens, and its
+        first t rows as [t, heads, head_dim]: every layer's attention writes
+        them, and its output projection reads all rows before the next layer
+        writes again. One buffer per width and dtype, grown by powers of two
+        (kernels.metadata.bucket), so a step allocates none once it has grown.
+        Its padding rows (past t) hold zeros or an earlier step's attention
+        rows: finite values, which reach no real row (a row of a linear's
+        output depends on its own input row alone, and the invariance tests
+        hold the bits), so nothing is cleared per step."""
+        dim = heads * head_dim
+        buf = self._attention.get((dim, dtype))
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.zeros(bucket(rows), dim, dtype=dtype, device=self.kv.device)
+            self._attention[dim, dtype] = buf
+        o_rows = buf[:rows]
+        return o_rows, o_rows[:t].view(t, heads, head_dim)
