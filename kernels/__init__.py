@@ -106,6 +106,7 @@ class StepKernels:
     rmsnorm: Callable
     rope_and_store: Callable
     paged_attention: Callable
+    silu_mul: Callable
 
 
 _selected: dict[tuple, StepKernels] = {}
@@ -132,6 +133,8 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
             rmsnorm=_rmsnorm_impl(x, triton) if fused else reference.rmsnorm,
             rope_and_store=_rope_impl(x, triton) if fused else reference.rope_and_store,
             paged_attention=_attention_impl(q_like, k_cache, triton),
+            # On GPUs the reference's two elementwise ops are two launches.
+            silu_mul=cpu_fused_ops.silu_mul if not triton and _use_cpu_fused(x) else reference.silu_mul,
         )
         _selected[key] = chosen
     return chosen

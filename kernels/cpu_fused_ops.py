@@ -27,6 +27,10 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 
 DTYPES = (torch.float32, torch.bfloat16)
 
+# The width of ATen's vectors where it runs its AVX512 kernels (aten::silu's,
+# whose element-to-path split silu_mul follows), else AVX2's.
+VECTOR_BYTES = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+
 _build: dict[str, object] = {}
 
 
@@ -65,6 +69,12 @@ def rmsnorm(
     if residual is None:
         return ops.rmsnorm(x, weight, eps), x
     return ops.add_rmsnorm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """reference.silu_mul: silu(gate) * up for rows [gate | up] [T, 2 * n]
+    with contiguous rows."""
+    return _ops().silu_mul(gate_up, VECTOR_BYTES)
 
 
 def rope_and_store(

@@ -364,6 +364,15 @@ def rmsnorm(
     return weight * h.to(x.dtype), x
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of a fused gate/up projection
+    [T, 2 * intermediate]. Slices, not Tensor.split (a Python wrapper);
+    silu's fresh output takes the product in place (the same rounding as
+    silu(gate) * up)."""
+    n = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
+
+
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """kv[:, :, dst[i]] = kv[:, :, src[i]] for every layer, K and V."""
     kv[:, :, dst] = kv[:, :, src]

@@ -5,12 +5,14 @@ Prefill, a turn's delta, a decode step and a speculative verify are all this.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import AttnMetadata
+from kernels import AttnMetadata, reference
 from kernels.metadata import bucket
 from model import packed_linear
 from model.config import ModelConfig
@@ -83,19 +85,17 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_weight = _param(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, device=device)
         self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.packed: PackedWeights | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: Callable = reference.silu_mul) -> torch.Tensor:
+        """silu_mul: the step's (kernels.StepKernels.silu_mul); the default
+        is the differentiable reference (model/dense_forward.py trains through it)."""
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)
-        # Slices, not Tensor.split (a Python wrapper); silu's fresh output
-        # takes the product in place (the same rounding as silu(gate) * up).
-        n = self.intermediate
-        return linear(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]), self.down_weight, self.down_bias, self.packed)
+        return linear(silu_mul(gate_up), self.down_weight, self.down_bias, self.packed)
 
 
 class Block(nn.Module):
@@ -173,7 +173,7 @@ class Transformer(nn.Module):
         # forward methods, not Module.__call__ (no hooks are used, and its
         # bookkeeping is a few microseconds a call, 11 calls a layer).
         ops = kernels.select(h, layers[0][0])
-        norm = ops.rmsnorm
+        norm, silu_mul = ops.rmsnorm, ops.silu_mul
         cfg = self.cfg
         o_rows, o_heads = scratch.attention_rows(h.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, h.dtype)
         cos, sin = self.cos, self.sin
@@ -182,7 +182,7 @@ class Transformer(nn.Module):
             x, residual = norm(h, block.attn_norm, eps, residual)
             h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows, o_heads)
             x, residual = norm(h, block.mlp_norm, eps, residual)
-            h = block.mlp.forward(x)
+            h = block.mlp.forward(x, silu_mul)
         if logit_indices is not None:
             h, residual = h[logit_indices], residual[logit_indices]
         h, _ = norm(h, self.norm, eps, residual)

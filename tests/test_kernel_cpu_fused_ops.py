@@ -2,7 +2,8 @@
 (kernels/reference.py), bit for bit: residual add + RMSNorm over row widths
 on and off ATen's vector and cascade edges, both dtypes, with and without a
 residual; RoPE + K/V store over ragged steps that cross pages, GQA ratios,
-head dims, page sizes and cache layouts. A row's (a token's) bits must not
+head dims, page sizes and cache layouts; SiLU * mul over widths on and off
+the vector chunks of ATen's silu. A row's (a token's) bits must not
 depend on the batch, and bad input must change nothing."""
 from __future__ import annotations
 
@@ -174,6 +175,7 @@ def test_select_and_dispatchers_run_the_fused_ops():
     k_cache = torch.zeros(4, 4, 2, 64)
     chosen = kernels.select(x, k_cache)
     assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.rope_and_store is cpu_fused_ops.rope_and_store
+    assert chosen.silu_mul is cpu_fused_ops.silu_mul
     # bf16 activations over an fp32 cache: the fused ops take one dtype, so the references run.
     mixed = kernels.select(x.bfloat16(), k_cache)
     assert mixed.rmsnorm is reference.rmsnorm and mixed.rope_and_store is reference.rope_and_store
@@ -189,8 +191,29 @@ def test_a_failed_build_falls_back_to_the_references_with_one_warning(monkeypatc
     with pytest.warns(RuntimeWarning, match="no g"):
         chosen = kernels.select(x, torch.zeros(2, 4, 1, 16))
     assert chosen.rmsnorm is reference.rmsnorm and chosen.rope_and_store is reference.rope_and_store
+    assert chosen.silu_mul is reference.silu_mul
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernels.rmsnorm(x, torch.ones(16), 1e-6)
     with pytest.raises(cpu_fused_ops.CpuKernelUnavailable, match="no g\\+\\+"):
         cpu_fused_ops.rmsnorm(x, torch.ones(16), 1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0], ids=["unit", "saturating"])
+@pytest.mark.parametrize("width", [1, 15, 16, 31, 32, 33, 64, 65, 704, 1536, 4099])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_silu_mul_matches_reference_bits(dtype, width, scale):
+    # Widths on and off the vector chunks ATen's silu takes whole (16/32 fp32, 32/64 bf16).
+    g = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(5, 2 * width, generator=g) * scale).to(dtype)
+    out = cpu_fused_ops.silu_mul(gate_up)
+    assert out.shape == (5, width) and torch.equal(out, reference.silu_mul(gate_up))
+    for r in (0, 4):  # a row alone: the same bits
+        assert torch.equal(cpu_fused_ops.silu_mul(gate_up[r : r + 1]), out[r : r + 1])
+
+
+def test_silu_mul_refuses_bad_input():
+    with pytest.raises(ValueError, match="gate_up"):
+        cpu_fused_ops.silu_mul(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="gate_up"):
+        cpu_fused_ops.silu_mul(torch.zeros(8, 4).t())
