@@ -1,9 +1,11 @@
 """Kernel ops with one torch reference and one Triton implementation each
-(kernels/triton_<op>.py), plus a C++ CPU kernel for decode/verify attention.
+(kernels/triton_<op>.py), plus C++ CPU kernels for decode/verify attention
+and for the fused per-layer ops (RMSNorm with its residual add, RoPE with
+the K/V store).
 
-Dispatch by device: CUDA tensors run Triton; CPU tensors run the torch
-reference, except paged attention, which runs kernels/cpu_paged_attention.py
-when its extension builds (the reference otherwise, with one warning).
+Dispatch by device: CUDA tensors run Triton; CPU tensors run the C++
+kernels where their extensions build (kernels/cpu_paged_attention.py,
+kernels/cpu_fused_ops.py), the torch reference otherwise, with one warning.
 ``AGENTKV_KERNELS=torch`` or ``=triton`` forces either (Triton on a CPU needs
 ``TRITON_INTERPRET=1`` set before triton is imported).
 
@@ -21,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_paged_attention, reference
+from kernels import cpu_fused_ops, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 
 __all__ = [
@@ -43,6 +45,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 _warned: list[str] = []
+_warned_fused: list[str] = []
 
 
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -56,9 +59,33 @@ def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return False
 
 
+def _use_cpu_fused(x: torch.Tensor) -> bool:
+    if _mode() != "auto" or not cpu_fused_ops.supports(x):
+        return False
+    if cpu_fused_ops.available():
+        return True
+    if not _warned_fused:
+        _warned_fused.append(cpu_fused_ops.build_error())
+        warnings.warn(f"RMSNorm and RoPE run the slower torch references: {_warned_fused[0]}", RuntimeWarning,
+                      stacklevel=3)
+    return False
+
+
 def _triton(module: str, name: str):
     # Imported on first use so that a CPU-only run never imports triton.
     return getattr(importlib.import_module(f"kernels.triton_{module}"), name)
+
+
+def _rmsnorm_impl(x: torch.Tensor, triton: bool) -> Callable:
+    if triton:
+        return _triton("rmsnorm", "rmsnorm")
+    return cpu_fused_ops.rmsnorm if _use_cpu_fused(x) else reference.rmsnorm
+
+
+def _rope_impl(q: torch.Tensor, triton: bool) -> Callable:
+    if triton:
+        return _triton("rope_and_store", "rope_and_store")
+    return cpu_fused_ops.rope_and_store if _use_cpu_fused(q) else reference.rope_and_store
 
 
 def _attention_impl(q: torch.Tensor, k_cache: torch.Tensor, triton: bool) -> Callable:
@@ -72,11 +99,14 @@ def _attention_impl(q: torch.Tensor, k_cache: torch.Tensor, triton: bool) -> Cal
 @dataclass(frozen=True, slots=True)
 class StepKernels:
     """The implementations of the per-layer ops one forward runs, with the
-    signatures of the dispatchers below."""
+    signatures of the dispatchers below. rope_and_store may rotate q in
+    place (the C++ one does): callers use what it returns and keep no copy
+    of q's unrotated rows."""
 
     rmsnorm: Callable
     rope_and_store: Callable
     paged_attention: Callable
+    silu_mul: Callable
 
 
 _selected: dict[tuple, StepKernels] = {}
@@ -90,34 +120,42 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
     # The build's state is part of the key: a build that fails (or is made
     # to fail, as tests do) changes the choice from the next forward on.
     key = (mode, x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
-           cpu_paged_attention.build_error())
+           cpu_paged_attention.build_error(), cpu_fused_ops.build_error())
     chosen = _selected.get(key)
     if chosen is None:
         triton = mode == "triton" or (mode == "auto" and x.is_cuda)
         # A query [T, Hq, D] agrees with one K row [Hkv, D] on all the CPU
         # kernel asks of it (device, dtype, head_dim) when the dtypes agree.
         q_like = k_cache[0, 0] if x.dtype == k_cache.dtype else x
+        # The fused C++ ops take one dtype for activations, weights and caches.
+        fused = triton or x.dtype == k_cache.dtype
         chosen = StepKernels(
-            rmsnorm=_triton("rmsnorm", "rmsnorm") if triton else reference.rmsnorm,
-            rope_and_store=_triton("rope_and_store", "rope_and_store") if triton else reference.rope_and_store,
+            rmsnorm=_rmsnorm_impl(x, triton) if fused else reference.rmsnorm,
+            rope_and_store=_rope_impl(x, triton) if fused else reference.rope_and_store,
             paged_attention=_attention_impl(q_like, k_cache, triton),
+            # On GPUs the reference's two elementwise ops are two launches.
+            silu_mul=cpu_fused_ops.silu_mul if not triton and _use_cpu_fused(x) else reference.silu_mul,
         )
         _selected[key] = chosen
     return chosen
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+def paged_attention(
+    q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     impl = _attention_impl(q, k_cache, use_triton(q))
-    return impl(q, k_cache, v_cache, meta, scale, sliding_window)
+    return impl(q, k_cache, v_cache, meta, scale, sliding_window, out=out)
 
 
 def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
-    impl = _triton("rope_and_store", "rope_and_store") if use_triton(q) else reference.rope_and_store
+    triton = use_triton(q)
+    impl = _rope_impl(q, triton) if triton or q.dtype == k_cache.dtype else reference.rope_and_store
     return impl(q, k, v, cos, sin, k_cache, v_cache, meta)
 
 
 def rmsnorm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
-    impl = _triton("rmsnorm", "rmsnorm") if use_triton(x) else reference.rmsnorm
+    triton = use_triton(x)
+    impl = _rmsnorm_impl(x, triton) if triton or x.dtype == weight.dtype else reference.rmsnorm
     return impl(x, weight, eps, residual)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -30,10 +30,11 @@ def cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def load(state: dict, name: str, source: Path, resolve: Callable[[], T]) -> T:
+def load(state: dict, name: str, source: Path, resolve: Callable[[], T], cflags: Sequence[str] = ()) -> T:
     """Build and load `source` as extension `name` (once: the result, or the
     error, is kept in the caller's `state`), then return resolve(), which
-    looks up what the extension registered (its torch.ops)."""
+    looks up what the extension registered (its torch.ops); cflags are added
+    to the common ones."""
     if "op" in state:
         return state["op"]
     if "error" in state:
@@ -44,7 +45,7 @@ def load(state: dict, name: str, source: Path, resolve: Callable[[], T]) -> T:
         build(
             name=f"{name}_{cpu_tag()}",
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )

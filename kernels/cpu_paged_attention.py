@@ -85,22 +85,28 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
     sliding_window: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """reference.paged_attention's result: decode/verify sequences here, the
-    longer chunks of a mixed step by the reference."""
+    longer chunks of a mixed step by the reference. q and out (shaped like q;
+    a new tensor when None) may have any token and head strides: a forward
+    passes q as its slice of the qkv projection and out as rows of the
+    buffer the output projection reads, so neither is copied."""
     if not supports(q, k_cache):
         raise ValueError(
             f"CPU {DTYPES} tensors with a contiguous head_dim of 16, 32, ..., 128 only, not "
             f"{q.device} {q.dtype} head_dim {q.shape[-1]}"
         )
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    lens, limit = meta.query_lens_list, MAX_QUERIES[q.dtype]
-    if min(lens) <= limit:
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    limit = MAX_QUERIES[q.dtype]
+    if meta.min_query_len <= limit:
         _op()(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             scale, sliding_window, limit, SPLIT, out,
         )
-    if max(lens) > limit:
+    if meta.max_query_len > limit:
         reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=limit)
     return out

@@ -9,8 +9,9 @@ The tensors live in persistent buffers (StepBuffers) that a runner keeps for
 its whole life: a step writes into them and its metadata holds views, so no
 step allocates a tensor once the buffers have grown to its size. They grow
 by powers of two (tokens, sequences, pages per sequence), the same buckets a
-CUDA graph would be captured at, and a step's host-side scalars (the longest
-query and sequence) are decided once, here, not by each layer.
+CUDA graph would be captured at, and a step's host-side scalars (the shortest
+and longest query, the longest sequence) are decided once, here, not by each
+layer.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class AttnMetadata:
     page_size: int
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    min_query_len: int
     max_query_len: int
     max_seq_len: int
     # The torch path's key blocks and masks by (sliding window, the query
@@ -180,6 +182,7 @@ class StepBuffers:
             page_size=ps,
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
+            min_query_len=min(query_lens),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )

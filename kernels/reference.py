@@ -220,10 +220,13 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
     sliding_window: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K^T + mask) V over the keys its sequence holds
-    at positions <= position(t) (and > position(t) - sliding_window when > 0)."""
-    out = torch.empty_like(q)
+    at positions <= position(t) (and > position(t) - sliding_window when > 0),
+    into out (shaped like q) when given, else a new tensor."""
+    if out is None:
+        out = torch.empty_like(q)
     paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window)
     return out
 
@@ -359,6 +362,15 @@ def rmsnorm(
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype), x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of a fused gate/up projection
+    [T, 2 * intermediate]. Slices, not Tensor.split (a Python wrapper);
+    silu's fresh output takes the product in place (the same rounding as
+    silu(gate) * up)."""
+    n = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
 
 
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -292,9 +292,11 @@ def paged_attention(
     sliding_window: int = 0,
     *,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention with the contract of kernels.reference.paged_attention.
-    num_splits forces the number of KV splits (1: no split-K); None picks it."""
+    """Triton paged attention with the contract of kernels.reference.paged_attention
+    (into out, any strides, when given). num_splits forces the number of KV
+    splits (1: no split-K); None picks it."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or kv_head_dim != head_dim or page_size != meta.page_size:
@@ -320,7 +322,10 @@ def paged_attention(
         num_splits = _num_splits(active_blocks * num_kv_heads, meta.max_seq_len)
     window = sliding_window if sliding_window > 0 else meta.max_seq_len
 
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must be a {q.dtype} {tuple(q.shape)} on {q.device}, not {out.dtype} {tuple(out.shape)}")
     if num_splits == 1:
         part, lse = out.unsqueeze(2), out  # lse is not touched without splits
     else:

@@ -5,12 +5,15 @@ Prefill, a turn's delta, a decode step and a speculative verify are all this.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import AttnMetadata
+from kernels import AttnMetadata, reference
+from kernels.metadata import bucket
 from model import packed_linear
 from model.config import ModelConfig
 from model.packed_linear import PackedWeights
@@ -50,6 +53,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window
+        self.qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
         self.scale = cfg.head_dim**-0.5
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # Weights are stored [in, out] (see linear). q, k and v projections are
@@ -62,44 +66,38 @@ class Attention(nn.Module):
 
     def forward(
         self, ops: kernels.StepKernels, x: torch.Tensor, meta: AttnMetadata, k_cache, v_cache, cos, sin,
-        o_rows: torch.Tensor | None,
+        o_rows: torch.Tensor, o_heads: torch.Tensor,
     ) -> torch.Tensor:
         """x: [R, hidden], the step's T tokens and R - T padding rows (see
-        Transformer.min_rows); o_rows: a [R, heads * head_dim] the
-        attention's T rows are written into when R > T, so that no layer pads
-        (see ForwardScratch.o_rows)."""
+        Transformer.min_rows); o_rows: the [R, heads * head_dim] the output
+        projection reads, whose first T rows o_heads views as [T, heads,
+        head_dim]: the attention writes them there (see ForwardScratch.attention_rows)."""
         t = meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         hq, hkv = self.num_heads, self.num_kv_heads
-        # One view by head, then q, k and v as slices of it (5 ops, not 9).
-        heads = (qkv if o_rows is None else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
-        q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+        # One view by head, then q, k and v as views of it: one split (one op,
+        # about 4 us) where three slices cost about 9.
+        heads = (qkv if qkv.shape[0] == t else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
+        q, k, v = heads.split_with_sizes(self.qkv_heads, 1)
         q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
-        o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
-        if o_rows is None:
-            o = o.view(t, hq * self.head_dim)
-        else:
-            o_rows[:t].view(o.shape).copy_(o)
-            o = o_rows
-        return linear(o, self.o_weight, self.o_bias, self.packed)
+        ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, out=o_heads)
+        return linear(o_rows, self.o_weight, self.o_bias, self.packed)
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_weight = _param(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype, device=device)
         self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.down_weight = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.down_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.packed: PackedWeights | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: Callable = reference.silu_mul) -> torch.Tensor:
+        """silu_mul: the step's (kernels.StepKernels.silu_mul); the default
+        is the differentiable reference (model/dense_forward.py trains through it)."""
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)
-        # Slices, not Tensor.split (a Python wrapper); silu's fresh output
-        # takes the product in place (the same rounding as silu(gate) * up).
-        n = self.intermediate
-        return linear(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]), self.down_weight, self.down_bias, self.packed)
+        return linear(silu_mul(gate_up), self.down_weight, self.down_bias, self.packed)
 
 
 class Block(nn.Module):
@@ -177,15 +175,16 @@ class Transformer(nn.Module):
         # forward methods, not Module.__call__ (no hooks are used, and its
         # bookkeeping is a few microseconds a call, 11 calls a layer).
         ops = kernels.select(h, layers[0][0])
-        norm = ops.rmsnorm
-        o_rows = scratch.o_rows(h.shape[0], meta.num_tokens, self.cfg.num_heads * self.cfg.head_dim, h.dtype)
+        norm, silu_mul = ops.rmsnorm, ops.silu_mul
+        cfg = self.cfg
+        o_rows, o_heads = scratch.attention_rows(h.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, h.dtype)
         cos, sin = self.cos, self.sin
         residual = None
         for block, (k_cache, v_cache) in zip(self.blocks, layers):
             x, residual = norm(h, block.attn_norm, eps, residual)
-            h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows)
+            h = block.attn.forward(ops, x, meta, k_cache, v_cache, cos, sin, o_rows, o_heads)
             x, residual = norm(h, block.mlp_norm, eps, residual)
-            h = block.mlp.forward(x)
+            h = block.mlp.forward(x, silu_mul)
         if logit_indices is not None:
             h, residual = h[logit_indices], residual[logit_indices]
         h, _ = norm(h, self.norm, eps, residual)
@@ -197,25 +196,32 @@ class Transformer(nn.Module):
 
 class ForwardScratch:
     """What a runner keeps for the forwards over its page pool, across steps:
-    each layer's (K pages, V pages) views of the pool, and the attention
-    rows of padded steps (see Attention.forward). One per runner,
-    never shared between threads (engines may share a model, not this)."""
+    each layer's (K pages, V pages) views of the pool, and the rows the
+    attention writes and the output projection reads (see
+    Attention.forward). One per runner, never shared between threads
+    (engines may share a model, not this)."""
 
     def __init__(self, kv: torch.Tensor):
         self.kv = kv
         self.layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-        self._o_rows: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._attention: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def o_rows(self, rows: int, t: int, dim: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A [rows, dim] for a forward of t < rows tokens (None when t ==
-        rows). Its padding rows hold zeros or an earlier step's attention rows:
-        finite values, which reach no real row (a row of a linear's output
-        depends on its own input row alone, and the invariance tests hold the
-        bits), so nothing is cleared per step."""
-        if rows == t:
-            return None
-        key = (rows, dim, dtype)
-        buf = self._o_rows.get(key)
-        if buf is None:
-            buf = self._o_rows[key] = torch.zeros(rows, dim, dtype=dtype, device=self.kv.device)
-        return buf
+    def attention_rows(
+        self, rows: int, t: int, heads: int, head_dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [rows, heads * head_dim] for a forward of t <= rows tokens, and its
+        first t rows as [t, heads, head_dim]: every layer's attention writes
+        them, and its output projection reads all rows before the next layer
+        writes again. One buffer per width and dtype, grown by powers of two
+        (kernels.metadata.bucket), so a step allocates none once it has grown.
+        Its padding rows (past t) hold zeros or an earlier step's attention
+        rows: finite values, which reach no real row (a row of a linear's
+        output depends on its own input row alone, and the invariance tests
+        hold the bits), so nothing is cleared per step."""
+        dim = heads * head_dim
+        buf = self._attention.get((dim, dtype))
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.zeros(bucket(rows), dim, dtype=dtype, device=self.kv.device)
+            self._attention[dim, dtype] = buf
+        o_rows = buf[:rows]
+        return o_rows, o_rows[:t].view(t, heads, head_dim)

@@ -1,8 +1,8 @@
 """Per-step host work (issue #18, item 2): a forward chooses its kernels once
 (kernels.select) and agrees with the per-op dispatchers; what a runner keeps
 across steps (model.llama.ForwardScratch: each layer's K/V views, the zeroed
-attention rows of padded steps) changes no bit and is made once; the torch
-attention plans only the sequences it runs."""
+attention rows) changes no bit and is made once; the torch attention plans
+only the sequences it runs."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ from cache.pool import PagePool
 from engine import Engine
 from engine.runner import ModelRunner, StepItem
 from experiments.common import random_model
-from kernels import cpu_paged_attention, reference
+from kernels import cpu_fused_ops, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 from model.llama import ForwardScratch
 
@@ -28,11 +28,16 @@ def test_select_chooses_what_the_dispatchers_run(dtype, monkeypatch):
     x = torch.zeros(3, 384, dtype=dtype)
     chosen = kernels.select(x, k_cache)
     assert chosen is kernels.select(x, k_cache)  # decided once, then looked up
-    assert chosen.rmsnorm is reference.rmsnorm and chosen.rope_and_store is reference.rope_and_store
+    if cpu_fused_ops.available():
+        assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.rope_and_store is cpu_fused_ops.rope_and_store
+    else:
+        assert chosen.rmsnorm is reference.rmsnorm and chosen.rope_and_store is reference.rope_and_store
     expected = cpu_paged_attention.paged_attention if cpu_paged_attention.available() else reference.paged_attention
     assert chosen.paged_attention is expected
     monkeypatch.setenv("AGENTKV_KERNELS", "torch")
-    assert kernels.select(x, k_cache).paged_attention is reference.paged_attention
+    forced = kernels.select(x, k_cache)
+    assert forced.paged_attention is reference.paged_attention and forced.rmsnorm is reference.rmsnorm
+    assert forced.rope_and_store is reference.rope_and_store
     monkeypatch.setenv("AGENTKV_KERNELS", "cuda")
     with pytest.raises(ValueError, match="AGENTKV_KERNELS"):
         kernels.select(x, k_cache)
@@ -63,14 +68,14 @@ def _steps(model, runner_scratch: bool) -> list[torch.Tensor]:
     out += runner.step([StepItem(b, [5, 6, 7, 8, 9], 5), StepItem(a, [11], 1)])
     if runner_scratch:
         scratch = runner._scratch
-        buffers = dict(scratch._o_rows)
+        buffers = dict(scratch._attention)
         out += runner.step([StepItem(a, [12], 1)])
-        assert bool(buffers) == (model.min_rows > 1)  # only padded steps need them
-        assert scratch._o_rows.keys() == buffers.keys()
-        assert all(scratch._o_rows[k] is v for k, v in buffers.items())
+        assert len(buffers) == 1  # one width and dtype, grown to the prefill's rows
+        assert scratch._attention.keys() == buffers.keys()
+        assert all(scratch._attention[k] is v for k, v in buffers.items())
         # Padding rows hold an earlier step's attention rows: finite values,
         # and which ones changes no bit of a real row (the fresh run pads zeros).
-        assert all(bool(buf.isfinite().all()) for buf in scratch._o_rows.values())
+        assert all(bool(buf.isfinite().all()) for buf in scratch._attention.values())
     a.release()
     b.release()
     return out

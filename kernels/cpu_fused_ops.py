@@ -1,0 +1,95 @@
+"""Fused per-layer CPU ops (kernels/cpu_fused_ops.cpp): residual add +
+RMSNorm, and RoPE + K/V store, one torch op each where their references
+(kernels/reference.py) run 9-17. A decode step of a small model pays more for
+dispatching ops (3-5 us each) than for their arithmetic: on the embedded
+model (5 layers) these two take about 140 ops a step away.
+
+Both give the references' bits: the same roundings in the same order, the
+sum of squares in ATen's order (which follows its vector width), and
+no fused multiply-adds (built with -ffp-contract=off). Every row is computed
+on its own, so a row's bits do not depend on the batch.
+
+The extension is compiled on first use (kernels/cpu_extension.py); without a
+compiler, CpuKernelUnavailable, and kernels.select keeps the references (one
+warning).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_extension
+from kernels.cpu_extension import CpuKernelUnavailable
+from kernels.metadata import AttnMetadata
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+# The width of ATen's vectors where it runs its AVX512 kernels (aten::silu's,
+# whose element-to-path split silu_mul follows), else AVX2's.
+VECTOR_BYTES = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+
+_build: dict[str, object] = {}
+
+
+def _ops():
+    return cpu_extension.load(
+        _build, "agentkv_cpu_fused", SOURCE, lambda: torch.ops.agentkv_cpu_fused, cflags=["-ffp-contract=off"]
+    )
+
+
+def build_error() -> str:
+    """Why the extension is not available ('' when it is, or not tried yet)."""
+    return str(_build.get("error", ""))
+
+
+def available() -> bool:
+    """Whether the extension is built (building it on the first call)."""
+    try:
+        _ops()
+    except CpuKernelUnavailable:
+        return False
+    return True
+
+
+def supports(x: torch.Tensor) -> bool:
+    """CPU fp32 and bf16 (weights, caches and the other inputs of x's dtype)."""
+    return x.device.type == "cpu" and x.dtype in DTYPES
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rmsnorm: with a residual, h = x + residual and (weight * h /
+    rms(h), h); without, (weight * x / rms(x), x). x, residual and weight
+    contiguous, of one dtype (ValueError otherwise)."""
+    ops = _ops()
+    if residual is None:
+        return ops.rmsnorm(x, weight, eps), x
+    return ops.add_rmsnorm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """reference.silu_mul: silu(gate) * up for rows [gate | up] [T, 2 * n]
+    with contiguous rows."""
+    return _ops().silu_mul(gate_up, VECTOR_BYTES)
+
+
+def rope_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+) -> torch.Tensor:
+    """reference.rope_and_store, with q rotated in place (and returned): its
+    rows are the caller's (a forward's fresh qkv projection), and a copy
+    would cost an op a layer. k and v are left as they are. Any strides; a
+    position or slot out of range raises IndexError before anything is written."""
+    _ops().rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.positions, meta.slot_mapping)
+    return q
