@@ -11,6 +11,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from cache import hugepages
 from cache.errors import KVCapacityError, PageAccountingError
 
 
@@ -40,7 +41,12 @@ class PagePool:
         # Indexed [layer, K/V, page, slot, head, dim] but stored head-major, so
         # that a run of consecutive pages is one contiguous block per head:
         # attention over it needs no gather (see kernels.reference._by_head).
-        storage = torch.zeros(num_layers, 2, num_kv_heads, num_pages, page_size, head_dim, dtype=dtype, device=device)
+        # On huge pages where the OS has them: a decode step streams every
+        # head's pages, and 4 KB pages cost it a TLB walk and a prefetcher
+        # restart every 4 KB (docs/bench_cpu_attention.md, round 3).
+        storage = hugepages.zeros(
+            (num_layers, 2, num_kv_heads, num_pages, page_size, head_dim), dtype=dtype, device=device
+        )
         self.kv = storage.permute(0, 1, 3, 4, 2, 5)
         # Slot-addressed: [layer, K/V, head, page * page_size + slot, dim].
         self._slots = storage.view(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)

@@ -3,7 +3,7 @@
 //   fp32: [out/16][in][16]          one FMA per input per 16 outputs
 //   bf16: [out/16][ceil(in/2)][16][2] pairs of inputs, as vdpbf16ps takes them
 // Work is split over output blocks (both cores busy at one row); each thread
-// runs tiles of up to kRows rows x 4 blocks over its blocks. No software
+// runs tiles of up to kRows rows x 4 blocks (bf16: 8 at 1-2 rows) over its blocks. No software
 // prefetch: each tile reads 4 sequential streams, which the hardware
 // prefetchers follow; _mm_prefetch 512 B - 4 KiB ahead measured no faster
 // (a SmolLM2 decode step's linears, bf16, one thread: 18-20 against 22 GB/s
@@ -22,12 +22,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
 constexpr int64_t kBlock = 16;  // outputs per packed block: one fp32 vector
 constexpr int kVecs = 4;        // blocks per tile
 constexpr int kRows = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers
+// bf16 blocks per tile at up to kWideRows rows (a decode step's one row): 8
+// streams in flight rather than 4, 2 x 8 accumulators + 8 weights + 1
+// broadcast registers. At one row and 4 blocks, bf16 on one core read its
+// weights at 73-90% of a plain read, at 8 blocks 97%; fp32 (96% at 4) got
+// slower at 8 (docs/bench_cpu_linear.md, round 2).
+constexpr int kWideVecs = 8;
+constexpr int kWideRows = 2;
 
 #ifdef __AVX512F__
 
@@ -67,7 +75,7 @@ struct Args {
 
 // acc[r][v] += x[r] . W over all of `in`, in input order.
 template <int R, int V>
-inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, __m512 (&acc)[kRows][kVecs]) {
+inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, __m512 (&acc)[R][V]) {
   const float* w[V];
   for (int v = 0; v < V; ++v) w[v] = a.w + (blk + v) * a.block_len;
   const float* x = a.x + row * a.ldx;
@@ -85,7 +93,7 @@ inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, __m512 (&a
 
 #ifdef __AVX512BF16__
 template <int R, int V>
-inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __m512 (&acc)[kRows][kVecs]) {
+inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __m512 (&acc)[R][V]) {
   const uint16_t* w[V];
   for (int v = 0; v < V; ++v) w[v] = reinterpret_cast<const uint16_t*>(a.w + (blk + v) * a.block_len);
   const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x + row * a.ldx);
@@ -115,7 +123,7 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __
 
 template <typename T, int R, int V>
 void tile(const Args<T>& a, int64_t row, int64_t blk) {
-  __m512 acc[kRows][kVecs];
+  __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   if constexpr (std::is_same_v<T, float>) {
@@ -138,6 +146,14 @@ void tile(const Args<T>& a, int64_t row, int64_t blk) {
 
 template <typename T, int R>
 void tile_rows(const Args<T>& a, int64_t row, int64_t blk, int v) {
+  if constexpr (R <= kWideRows) {
+    switch (v) {
+      case 8: return tile<T, R, 8>(a, row, blk);
+      case 7: return tile<T, R, 7>(a, row, blk);
+      case 6: return tile<T, R, 6>(a, row, blk);
+      case 5: return tile<T, R, 5>(a, row, blk);
+    }
+  }
   switch (v) {
     case 4: return tile<T, R, 4>(a, row, blk);
     case 3: return tile<T, R, 3>(a, row, blk);
@@ -161,11 +177,12 @@ void run_tile(const Args<T>& a, int64_t row, int r, int64_t blk, int v) {
 template <typename T>
 void run(const Args<T>& a, int64_t rows) {
   const int64_t blocks = (a.out + kBlock - 1) / kBlock;
+  const int vecs = !std::is_same_v<T, float> && rows <= kWideRows ? kWideVecs : kVecs;
   // One chunk of blocks per thread: at a few rows the weights are the whole
   // cost, and each thread streams its share once.
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; blk += kVecs) {
-      const int v = static_cast<int>(std::min<int64_t>(kVecs, b1 - blk));
+    for (int64_t blk = b0; blk < b1; blk += vecs) {
+      const int v = static_cast<int>(std::min<int64_t>(vecs, b1 - blk));
       for (int64_t row = 0; row < rows; row += kRows) {
         run_tile<T>(a, row, static_cast<int>(std::min<int64_t>(kRows, rows - row)), blk, v);
       }

@@ -78,22 +78,26 @@ inline float hsum(v16f v) {
 // The levels of a transposing sum of 16 vectors a[0..16) into one whose lane
 // i is the sum of a[i]'s lanes: 16 horizontal sums in 15 shuffle pairs, where
 // one at a time would take 16 x 4. tile_scores folds a tile's dot vectors as
-// they are made, two at a time, so that few of them are live at once.
-inline v16f fold1(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+// they are made, two at a time, so that few of them are live at once. Every
+// level shuffles within 128-bit lanes or moves whole 128-bit lanes
+// (unpck*ps, shufps, shuff32x4, one cycle each on Zen 4), never across lanes
+// by index (vpermt2ps, which the natural interleave compiles to and which
+// cost the bf16 kernel a third of its time): level 1 sums lanes (0, 2) and
+// (1, 3) of each 128-bit lane, level 2 the two halves of that, levels 3 and
+// 4 the four 128-bit lanes, and key i still lands in lane i.
+inline v16f fold1(v16f a, v16f b) {  // (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit lane
+  return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+         __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
 }
-inline v16f fold2(v16f a, v16f b) {
+inline v16f fold2(v16f a, v16f b) {  // (a, b, c, d) per 128-bit lane from two fold1s
   return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
          __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
 }
-inline v16f fold3(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline v16f fold4(v16f a, v16f b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// Levels 3 and 4: 128-bit lanes (a0+a1, a2+a3, b0+b1, b2+b3), so that two
+// levels of it give (sum a, sum b, sum c, sum d) from four fold2s.
+inline v16f fold34(v16f a, v16f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
 
 // exp(x) for x <= 0 (scores minus their running max), 0 below -87: 2^(x log2 e)
@@ -159,7 +163,7 @@ inline void tile_scores(v16f (&s)[RB], Dot dot) {
     }
     for (int r = 0; r < RB; ++r) l2[r][quad] = fold2(l1[r][0], l1[r][1]);
   }
-  for (int r = 0; r < RB; ++r) s[r] = fold4(fold3(l2[r][0], l2[r][1]), fold3(l2[r][2], l2[r][3]));
+  for (int r = 0; r < RB; ++r) s[r] = fold34(fold34(l2[r][0], l2[r][1]), fold34(l2[r][2], l2[r][3]));
 }
 
 // The online-softmax update of one row by its tile of scores s: hides the

@@ -35,8 +35,10 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 
 # (in, out): whole blocks, ragged blocks and pairs (odd in), fewer outputs
-# than a block, tiles of 1-4 blocks, the model's shapes.
-SHAPES = [(1, 1), (3, 17), (7, 5), (32, 64), (33, 80), (64, 113), (96, 160), (129, 47), (576, 960), (1536, 576)]
+# than a block, tiles of 1-4 blocks (and 5-8, bf16's tiles at 1-2 rows:
+# 80, 96, 112, 113 outputs), the model's shapes.
+SHAPES = [(1, 1), (3, 17), (7, 5), (32, 64), (33, 80), (32, 96), (41, 112), (64, 113), (96, 160), (129, 47),
+          (576, 960), (1536, 576)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
