@@ -97,3 +97,24 @@ def test_engine_decode_repeats_the_same_greedy_decode_from_the_kept_prompt():
     with pytest.raises(ValueError):
         ours.decode(ids[:-1], 2, "a")
     ours.close()
+
+
+def test_each_timed_request_records_who_used_the_cpus(result):
+    _, res = result
+    for r in res["rows"]:
+        ours = r["systems"]["ours"]
+        assert len(ours["usage"]) == REPEATS
+        u = ours["usage_median"]
+        # Alone, nothing else of the benchmark's ran; the rest of the machine is not ours to assert on.
+        assert u["others_cores"] == 0 and u["majflt"] >= 0 and u["nonvoluntary"] >= 0
+        assert u["cpu_per_wall"] is not None and u["foreign_cores"] >= 0 and u["steal_share"] >= 0
+
+
+def test_grouped_schedule_times_each_system_back_to_back(tmp_path):
+    res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
+                             "--systems", "ours", "--decode-tokens", "3", "--repeats", "2", "--schedule", "grouped",
+                             "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert res["schedule"] == "grouped"
+    ours = res["rows"][0]["systems"]["ours"]
+    assert ours["steps"] == 2 * (3 - 1) and len(ours["usage"]) == 2
+    assert "preempted" in (tmp_path / "out" / "report.txt").read_text()
