@@ -66,7 +66,7 @@ from experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
 from experiments.drivers.peer import PeerSystem
 from experiments.drivers.system import Request
 from experiments.drivers.vllm import vllm_status, vllm_system
-from experiments.proc_usage import snapshot, usage
+from experiments.proc_usage import snapshot, usage, wait_quiet
 from experiments.report import WandbRun, publish, pyplot, save_figure, table
 from kernels import cpu_paged_attention
 from model.config import ModelConfig
@@ -142,7 +142,8 @@ def start_systems(systems: list[str], path: Path, reqs: list[Request], dtype: st
             else:
                 peer_dtype = "float16" if dtype == "bfloat16" and args.llamacpp_half == "f16" else dtype
                 live[s] = llamacpp_system(PEERS[s], path, reqs, dtype=peer_dtype, threads=threads, log=log,
-                                          timeout=args.peer_timeout, flash_attn=args.llamacpp_flash_attn)
+                                          timeout=args.peer_timeout, flash_attn=args.llamacpp_flash_attn,
+                                          threads_batch=args.prefill_threads)
         except Exception as e:  # noqa: BLE001 - a system that fails to start is reported, not fatal to the others
             skipped[s] = f"failed to start ({dtype}, {threads} threads): {type(e).__name__}: {e}"
     return live
@@ -163,22 +164,37 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
         context = len(r.ids)
         prefill, first_ids, reused = {}, {}, {}
         steps, usages = {s: [] for s in live}, {s: [] for s in live}
+        redone, waited = dict.fromkeys(live, 0), dict.fromkeys(live, 0.0)
 
         def request(s: str, rep: int) -> None:
             if s in skipped:
                 return
-            bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {'prefill' if rep == 0 else f'rep {rep}'}")
-            # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
-            # last parallel region before its threads sleep.
-            time.sleep(args.gap)
             others = [p for o, p in pids.items() if o != s] + ([os.getpid()] if s != "ours" else [])
-            before, start = snapshot(pids[s], others), time.perf_counter()
-            try:
-                reply = live[s].decode(r.ids, r.gen, r.agent)
-            except Exception as e:  # noqa: BLE001 - a system that fails drops out, the others go on
-                skipped[s] = f"failed ({dtype}, {threads} threads, C={context}): {type(e).__name__}: {e}"
-                return
-            used = usage(before, snapshot(pids[s], others), time.perf_counter() - start)
+            for attempt in range(args.retries + 1):
+                bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} "
+                                    f"{'prefill' if rep == 0 else f'rep {rep}'}{f' again {attempt}' if attempt else ''}")
+                # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
+                # last parallel region before its threads sleep.
+                time.sleep(args.gap)
+                # Work outside this run (other users' jobs) on the other core slows every system's step
+                # (docs/bench_decode.md): start on a quiet machine.
+                waited[s] += wait_quiet([pids[s], *others], args.max_foreign, timeout_s=args.settle)
+                if rep == 0 and s == "ours" and args.prefill_threads:
+                    torch.set_num_threads(args.prefill_threads)
+                before, start = snapshot(pids[s], others), time.perf_counter()
+                try:
+                    reply = live[s].decode(r.ids, r.gen, r.agent)
+                except Exception as e:  # noqa: BLE001 - a system that fails drops out, the others go on
+                    skipped[s] = f"failed ({dtype}, {threads} threads, C={context}): {type(e).__name__}: {e}"
+                    return
+                finally:
+                    if torch.get_num_threads() != threads:
+                        torch.set_num_threads(threads)
+                used = usage(before, snapshot(pids[s], others), time.perf_counter() - start)
+                foreign = used["foreign_cores"]
+                if rep == 0 or foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                    break
+                redone[s] += 1  # the same decode from the same kept prompt, timed again
             if reply["generated"] != r.gen:
                 skipped[s] = (f"generated {reply['generated']} tokens, not {r.gen} "
                               f"({dtype}, {threads} threads, C={context})")
@@ -215,6 +231,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                              "repeat_reused_tokens": reused.get(s), "first_token_ids": first_ids.get(s),
                              "steps_ms": [round(x * 1e3, 3) for x in xs], "step_GBps": (weights + kv) / ms / 1e6,
                              "usage": usages[s], "usage_median": median_usage(usages[s]),
+                             "redone": redone[s], "waited_quiet_s": waited[s],
                              "greedy_agree": (common_prefix_len(first_ids[s], first_ids["ours"]) / r.gen
                                               if "ours" in first_ids and s in first_ids else None)}
         rows.append({"dtype": dtype, "threads": threads, "context": context, "decode_tokens": r.gen,
@@ -275,10 +292,13 @@ def run(args) -> dict:
     started, load = time.perf_counter(), [os.getloadavg()[0]]
     bar = tqdm(total=len(dtypes) * len(threads) * len(contexts) * len(ran) * (args.repeats + 1),
                desc="requests", unit="req")
-    rows = []
-    for dtype in dtypes:
-        for n in threads:
-            rows += run_config(dtype, n, path, cfg, prompts, systems, args, out_dir / "peers.log", skipped, bar)
+    rows, caller_threads = [], torch.get_num_threads()
+    try:
+        for dtype in dtypes:
+            for n in threads:
+                rows += run_config(dtype, n, path, cfg, prompts, systems, args, out_dir / "peers.log", skipped, bar)
+    finally:
+        torch.set_num_threads(caller_threads)
     bar.close()
     load.append(os.getloadavg()[0])
     return {
@@ -399,6 +419,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", default="rotate", choices=["rotate", "grouped"],
                    help="rotate: in each repeat every system decodes once, the order rotating; grouped: each "
                    "system's requests back to back, in --systems order, the others idle")
+    p.add_argument("--max-foreign", type=float, default=0.3, help="cores that work outside this run may use "
+                   "during a timed request: a request above it is timed again (--retries), and each request waits "
+                   "(up to --settle s) for a half-second below it before it starts")
+    p.add_argument("--retries", type=int, default=2, help="times a request disturbed by outside work is redone")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds a request waits at most for a quiet machine")
+    p.add_argument("--prefill-threads", type=int, default=None, help="threads for the prefill (the first, untimed "
+                   "request) of ours and llama.cpp (its n_threads_batch); vLLM's stay --threads")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_decode-<time>)")
     p.add_argument("--no-wandb", action="store_true")

@@ -11,6 +11,7 @@ preempted (few involuntary switches) and nothing else held a core
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,3 +92,19 @@ def usage(before: Snapshot, after: Snapshot, wall_s: float) -> dict:
         out["foreign_cores"] = max(0, busy - own - others) * seconds
         out["steal_share"] = (after.machine[1] - before.machine[1]) * seconds
     return out
+
+
+def wait_quiet(pids: list[int], max_cores: float, window_s: float = 0.5, timeout_s: float = 10.0) -> float:
+    """Waits until, over one window_s, the processes outside pids used at most
+    max_cores of the machine (the benchmark's own processes may run), or
+    timeout_s passes; returns the seconds waited. Without /proc it returns at once."""
+    start = time.perf_counter()
+    while True:
+        before = snapshot(pids[0], pids[1:])
+        if before.machine is None:
+            return 0.0
+        time.sleep(window_s)
+        foreign = usage(before, snapshot(pids[0], pids[1:]), window_s)["foreign_cores"]
+        waited = time.perf_counter() - start
+        if foreign is None or foreign <= max_cores or waited >= timeout_s:
+            return waited

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from experiments.proc_usage import TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage
+from experiments.proc_usage import TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, wait_quiet
 
 
 def test_usage_splits_the_machine_into_timed_others_and_foreign():
@@ -46,3 +46,10 @@ def test_readers_see_this_process_burn_cpu():
     # Ticks are coarse (1 / TICK s): 0.3 s of CPU is at least 0.2 s of them.
     assert after.timed.cpu - before.timed.cpu >= 0.2 * TICK and u["cpu_per_wall"] > 0
     assert after.machine[0] - before.machine[0] >= after.timed.cpu - before.timed.cpu - 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_wait_quiet_waits_one_window_when_quiet_and_gives_up_at_the_timeout():
+    assert 0.1 <= wait_quiet([os.getpid()], float("inf"), window_s=0.1, timeout_s=5.0) < 2.0
+    # Nothing is ever below -1 cores: it waits windows until the timeout.
+    assert 0.5 <= wait_quiet([os.getpid()], -1.0, window_s=0.1, timeout_s=0.5) < 3.0
