@@ -101,6 +101,16 @@ def steps_of(reply: dict) -> list[float]:
     return [b - a for a, b in zip(t, t[1:])]
 
 
+def probe_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
+    """GB/s of a short streaming read of buf (median of repeats), on the run's threads."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * buf.element_size() / median(times) / 1e9
+
+
 def median_usage(usages: list[dict]) -> dict:
     """Each field of the timed requests' experiments.proc_usage figures, its median (None where unknown)."""
     keys = usages[0] if usages else {}
@@ -158,6 +168,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             for i, (c, ids) in enumerate(prompts.items())]
     live = start_systems(systems, path, reqs, dtype, threads, args, log, skipped)
     info = {s: dict(getattr(x, "info", {})) for s, x in live.items()}
+    probe_buf = torch.ones(1 << 26)  # 256 MiB, past the L3
     pids = {s: x.proc.pid if isinstance(x, PeerSystem) else os.getpid() for s, x in live.items()}
     rows = []
     for r in reqs:
@@ -181,6 +192,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                 waited[s] += wait_quiet([pids[s], *others], args.max_foreign, timeout_s=args.settle)
                 if rep == 0 and s == "ours" and args.prefill_threads:
                     torch.set_num_threads(args.prefill_threads)
+                # The machine's read rate just before: the step times drift with it (docs/bench_decode.md).
+                probe = probe_bandwidth(probe_buf)
                 before, start = snapshot(pids[s], others), time.perf_counter()
                 try:
                     reply = live[s].decode(r.ids, r.gen, r.agent)
@@ -203,7 +216,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                 prefill[s], first_ids[s] = reply["prefill_s"], reply["token_ids"]
             else:
                 steps[s] += steps_of(reply)
-                usages[s].append(used)
+                usages[s].append(used | {"probe_GBps": probe})
                 # Prompt tokens the system found held (the engine keeps its session's KV).
                 reused[s] = reply.get("cached_tokens", reply.get("reused", context))
             bar.update()
@@ -342,17 +355,18 @@ def report(res: dict) -> str:
             for r in res["rows"] for s, x in r["systems"].items()]
     lines += [table(heads, rows), ""]
     heads = ["dtype", "threads", "context", "system", "cpu/wall", "preempted", "minflt", "majflt", "others cores",
-             "foreign cores", "steal"]
+             "foreign cores", "steal", "probe GB/s"]
     rows = [[r["dtype"], r["threads"], r["context"], s, *(fmt(u.get(k), f) for k, f in (
                 ("cpu_per_wall", ".2f"), ("nonvoluntary", ".0f"), ("minflt", ".0f"), ("majflt", ".0f"),
-                ("others_cores", ".2f"), ("foreign_cores", ".2f"), ("steal_share", ".2f")))]
+                ("others_cores", ".2f"), ("foreign_cores", ".2f"), ("steal_share", ".2f"), ("probe_GBps", ".1f")))]
             for r in res["rows"] for s, x in r["systems"].items() for u in [x.get("usage_median") or {}]]
     lines += [table(heads, rows), ""]
     lines.append(
         "usage, median over a system's timed requests (experiments/proc_usage.py): cpu/wall: the timed process's CPU "
         "seconds per second (its thread count when it never waits); preempted: its involuntary context switches; "
         "minflt/majflt: its page faults; others cores: the other started systems' CPU (idle peers: 0); foreign "
-        "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores")
+        "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores; probe: a 256 MiB "
+        "read just before the request, on the run's threads")
     lines.append(
         f"ms: median decode step (interval between two tokens) over {res['args']['repeats']} requests of "
         f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context (p10/p90: its "
