@@ -182,8 +182,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                 return
             others = [p for o, p in pids.items() if o != s] + ([os.getpid()] if s != "ours" else [])
             for attempt in range(args.retries + 1):
-                bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} "
-                                    f"{'prefill' if rep == 0 else f'rep {rep}'}{f' again {attempt}' if attempt else ''}")
+                what = ("prefill" if rep == 0 else f"rep {rep}") + (f" again {attempt}" if attempt else "")
+                bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {what}")
                 # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
                 # last parallel region before its threads sleep.
                 time.sleep(args.gap)
@@ -365,8 +365,8 @@ def report(res: dict) -> str:
         "usage, median over a system's timed requests (experiments/proc_usage.py): cpu/wall: the timed process's CPU "
         "seconds per second (its thread count when it never waits); preempted: its involuntary context switches; "
         "minflt/majflt: its page faults; others cores: the other started systems' CPU (idle peers: 0); foreign "
-        "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores; probe: a 256 MiB "
-        "read just before the request, on the run's threads")
+        "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores; probe: a "
+        "256 MiB read just before the request, on the run's threads")
     lines.append(
         f"ms: median decode step (interval between two tokens) over {res['args']['repeats']} requests of "
         f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context (p10/p90: its "
