@@ -16,7 +16,10 @@ vLLM's prefix cache and llama.cpp's longest-prefix reuse find it), so only
 the first request pays the prefill. Within a repeat the systems take turns
 in an order that rotates from repeat to repeat, each request after --gap
 seconds of idle (so that the previous system's OpenMP threads have stopped
-spinning on the shared cores).
+spinning on the shared cores) and once work outside the run has left the
+cores (--max-foreign); a timed request that outside work disturbed is timed
+again (--retries). Every timed request records who used the CPUs meanwhile
+(experiments/proc_usage.py) and a read probe taken just before it.
 
 Systems (--systems, comma-separated; one whose venv is missing is skipped
 and the report says why):
@@ -40,7 +43,8 @@ reading the weights and the K/V once at the memory-read rate.
 
     python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
-        [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--out DIR]
+        [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--schedule rotate|grouped]
+        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--out DIR]
 
 Writes runs/bench_decode-<time>/{results.json, report.txt, decode.png, wandb/}.
 """
