@@ -16,7 +16,10 @@ vLLM's prefix cache and llama.cpp's longest-prefix reuse find it), so only
 the first request pays the prefill. Within a repeat the systems take turns
 in an order that rotates from repeat to repeat, each request after --gap
 seconds of idle (so that the previous system's OpenMP threads have stopped
-spinning on the shared cores).
+spinning on the shared cores) and once work outside the run has left the
+cores (--max-foreign); a timed request that outside work disturbed is timed
+again (--retries). Every timed request records who used the CPUs meanwhile
+(experiments/proc_usage.py) and a read probe taken just before it.
 
 Systems (--systems, comma-separated; one whose venv is missing is skipped
 and the report says why):
@@ -40,7 +43,8 @@ reading the weights and the K/V once at the memory-read rate.
 
     python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
-        [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--out DIR]
+        [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--schedule rotate|grouped]
+        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--out DIR]
 
 Writes runs/bench_decode-<time>/{results.json, report.txt, decode.png, wandb/}.
 """
@@ -63,8 +67,10 @@ from experiments.common import SHAPES, machine, median, parse_systems, run_dir
 from experiments.drivers.checkpoint import prepare_checkpoint
 from experiments.drivers.engine_local import EngineDecode
 from experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
+from experiments.drivers.peer import PeerSystem
 from experiments.drivers.system import Request
 from experiments.drivers.vllm import vllm_status, vllm_system
+from experiments.proc_usage import snapshot, usage, wait_quiet
 from experiments.report import WandbRun, publish, pyplot, save_figure, table
 from kernels import cpu_paged_attention
 from model.config import ModelConfig
@@ -97,6 +103,23 @@ def steps_of(reply: dict) -> list[float]:
     """Seconds between consecutive tokens' arrival: one per decode step."""
     t = reply["token_s"]
     return [b - a for a, b in zip(t, t[1:])]
+
+
+def probe_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
+    """GB/s of a short streaming read of buf (median of repeats), on the run's threads."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * buf.element_size() / median(times) / 1e9
+
+
+def median_usage(usages: list[dict]) -> dict:
+    """Each field of the timed requests' experiments.proc_usage figures, its median (None where unknown)."""
+    keys = usages[0] if usages else {}
+    return {k: median([u[k] for u in usages if u[k] is not None]) if any(u[k] is not None for u in usages) else None
+            for k in keys}
 
 
 def attention_ms(cfg: ModelConfig, dtype: torch.dtype, context: int, page_size: int, repeats: int) -> float | None:
@@ -133,7 +156,8 @@ def start_systems(systems: list[str], path: Path, reqs: list[Request], dtype: st
             else:
                 peer_dtype = "float16" if dtype == "bfloat16" and args.llamacpp_half == "f16" else dtype
                 live[s] = llamacpp_system(PEERS[s], path, reqs, dtype=peer_dtype, threads=threads, log=log,
-                                          timeout=args.peer_timeout, flash_attn=args.llamacpp_flash_attn)
+                                          timeout=args.peer_timeout, flash_attn=args.llamacpp_flash_attn,
+                                          threads_batch=args.prefill_threads)
         except Exception as e:  # noqa: BLE001 - a system that fails to start is reported, not fatal to the others
             skipped[s] = f"failed to start ({dtype}, {threads} threads): {type(e).__name__}: {e}"
     return live
@@ -148,36 +172,69 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             for i, (c, ids) in enumerate(prompts.items())]
     live = start_systems(systems, path, reqs, dtype, threads, args, log, skipped)
     info = {s: dict(getattr(x, "info", {})) for s, x in live.items()}
+    probe_buf = torch.ones(1 << 26)  # 256 MiB, past the L3
+    pids = {s: x.proc.pid if isinstance(x, PeerSystem) else os.getpid() for s, x in live.items()}
     rows = []
     for r in reqs:
         context = len(r.ids)
-        prefill, first_ids, reused, steps = {}, {}, {}, {s: [] for s in live}
-        for rep in range(args.repeats + 1):
-            names = list(live)
-            k = rep % max(len(names), 1)
-            for s in names[k:] + names[:k]:
-                if s in skipped:
-                    continue
-                bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {'prefill' if rep == 0 else f'rep {rep}'}")
+        prefill, first_ids, reused = {}, {}, {}
+        steps, usages = {s: [] for s in live}, {s: [] for s in live}
+        redone, waited = dict.fromkeys(live, 0), dict.fromkeys(live, 0.0)
+
+        def request(s: str, rep: int) -> None:
+            if s in skipped:
+                return
+            others = [p for o, p in pids.items() if o != s] + ([os.getpid()] if s != "ours" else [])
+            for attempt in range(args.retries + 1):
+                what = ("prefill" if rep == 0 else f"rep {rep}") + (f" again {attempt}" if attempt else "")
+                bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {what}")
                 # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
                 # last parallel region before its threads sleep.
                 time.sleep(args.gap)
+                # Work outside this run (other users' jobs) on the other core slows every system's step
+                # (docs/bench_decode.md): start on a quiet machine.
+                waited[s] += wait_quiet([pids[s], *others], args.max_foreign, timeout_s=args.settle)
+                if rep == 0 and s == "ours" and args.prefill_threads:
+                    torch.set_num_threads(args.prefill_threads)
+                # The machine's read rate just before: the step times drift with it (docs/bench_decode.md).
+                probe = probe_bandwidth(probe_buf)
+                before, start = snapshot(pids[s], others), time.perf_counter()
                 try:
                     reply = live[s].decode(r.ids, r.gen, r.agent)
                 except Exception as e:  # noqa: BLE001 - a system that fails drops out, the others go on
                     skipped[s] = f"failed ({dtype}, {threads} threads, C={context}): {type(e).__name__}: {e}"
-                    continue
-                if reply["generated"] != r.gen:
-                    skipped[s] = (f"generated {reply['generated']} tokens, not {r.gen} "
-                                  f"({dtype}, {threads} threads, C={context})")
-                    continue
-                if rep == 0:  # the warm-up request, which prefills
-                    prefill[s], first_ids[s] = reply["prefill_s"], reply["token_ids"]
-                else:
-                    steps[s] += steps_of(reply)
-                    # Prompt tokens the system found held (the engine keeps its session's KV).
-                    reused[s] = reply.get("cached_tokens", reply.get("reused", context))
-                bar.update()
+                    return
+                finally:
+                    if torch.get_num_threads() != threads:
+                        torch.set_num_threads(threads)
+                used = usage(before, snapshot(pids[s], others), time.perf_counter() - start)
+                foreign = used["foreign_cores"]
+                if rep == 0 or foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                    break
+                redone[s] += 1  # the same decode from the same kept prompt, timed again
+            if reply["generated"] != r.gen:
+                skipped[s] = (f"generated {reply['generated']} tokens, not {r.gen} "
+                              f"({dtype}, {threads} threads, C={context})")
+                return
+            if rep == 0:  # the warm-up request, which prefills
+                prefill[s], first_ids[s] = reply["prefill_s"], reply["token_ids"]
+            else:
+                steps[s] += steps_of(reply)
+                usages[s].append(used | {"probe_GBps": probe})
+                # Prompt tokens the system found held (the engine keeps its session's KV).
+                reused[s] = reply.get("cached_tokens", reply.get("reused", context))
+            bar.update()
+
+        names = list(live)
+        if args.schedule == "grouped":
+            for s in names:
+                for rep in range(args.repeats + 1):
+                    request(s, rep)
+        else:
+            for rep in range(args.repeats + 1):
+                k = rep % max(len(names), 1)
+                for s in names[k:] + names[:k]:
+                    request(s, rep)
         weights, kv = step_bytes(cfg, getattr(torch, dtype).itemsize, context + r.gen // 2)
         per_system = {}
         for s, xs in steps.items():
@@ -190,6 +247,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                              "prefill_s": prefill.get(s),
                              "repeat_reused_tokens": reused.get(s), "first_token_ids": first_ids.get(s),
                              "steps_ms": [round(x * 1e3, 3) for x in xs], "step_GBps": (weights + kv) / ms / 1e6,
+                             "usage": usages[s], "usage_median": median_usage(usages[s]),
+                             "redone": redone[s], "waited_quiet_s": waited[s],
                              "greedy_agree": (common_prefix_len(first_ids[s], first_ids["ours"]) / r.gen
                                               if "ours" in first_ids and s in first_ids else None)}
         rows.append({"dtype": dtype, "threads": threads, "context": context, "decode_tokens": r.gen,
@@ -250,10 +309,13 @@ def run(args) -> dict:
     started, load = time.perf_counter(), [os.getloadavg()[0]]
     bar = tqdm(total=len(dtypes) * len(threads) * len(contexts) * len(ran) * (args.repeats + 1),
                desc="requests", unit="req")
-    rows = []
-    for dtype in dtypes:
-        for n in threads:
-            rows += run_config(dtype, n, path, cfg, prompts, systems, args, out_dir / "peers.log", skipped, bar)
+    rows, caller_threads = [], torch.get_num_threads()
+    try:
+        for dtype in dtypes:
+            for n in threads:
+                rows += run_config(dtype, n, path, cfg, prompts, systems, args, out_dir / "peers.log", skipped, bar)
+    finally:
+        torch.set_num_threads(caller_threads)
     bar.close()
     load.append(os.getloadavg()[0])
     return {
@@ -263,6 +325,7 @@ def run(args) -> dict:
         "model": str(path),
         "systems_requested": systems,
         "skipped": skipped,
+        "schedule": args.schedule,
         "llamacpp_gguf": {"float32": "f32", "bfloat16": args.llamacpp_half, "flash_attn": args.llamacpp_flash_attn},
         "wall_s": time.perf_counter() - started,
         "load_1min": load,
@@ -295,6 +358,19 @@ def report(res: dict) -> str:
              fmt(x["prefill_s"], ".2f"), fmt(x["greedy_agree"], ".2f")]
             for r in res["rows"] for s, x in r["systems"].items()]
     lines += [table(heads, rows), ""]
+    heads = ["dtype", "threads", "context", "system", "cpu/wall", "preempted", "minflt", "majflt", "others cores",
+             "foreign cores", "steal", "probe GB/s"]
+    rows = [[r["dtype"], r["threads"], r["context"], s, *(fmt(u.get(k), f) for k, f in (
+                ("cpu_per_wall", ".2f"), ("nonvoluntary", ".0f"), ("minflt", ".0f"), ("majflt", ".0f"),
+                ("others_cores", ".2f"), ("foreign_cores", ".2f"), ("steal_share", ".2f"), ("probe_GBps", ".1f")))]
+            for r in res["rows"] for s, x in r["systems"].items() for u in [x.get("usage_median") or {}]]
+    lines += [table(heads, rows), ""]
+    lines.append(
+        "usage, median over a system's timed requests (experiments/proc_usage.py): cpu/wall: the timed process's CPU "
+        "seconds per second (its thread count when it never waits); preempted: its involuntary context switches; "
+        "minflt/majflt: its page faults; others cores: the other started systems' CPU (idle peers: 0); foreign "
+        "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores; probe: a "
+        "256 MiB read just before the request, on the run's threads")
     lines.append(
         f"ms: median decode step (interval between two tokens) over {res['args']['repeats']} requests of "
         f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context (p10/p90: its "
@@ -358,6 +434,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(llama-cpp-python's Llama leaves it off)")
     p.add_argument("--gap", type=float, default=0.3, help="seconds of idle before each request (the previous "
                    "system's spinning OpenMP threads go to sleep)")
+    p.add_argument("--schedule", default="rotate", choices=["rotate", "grouped"],
+                   help="rotate: in each repeat every system decodes once, the order rotating; grouped: each "
+                   "system's requests back to back, in --systems order, the others idle")
+    p.add_argument("--max-foreign", type=float, default=0.3, help="cores that work outside this run may use "
+                   "during a timed request: a request above it is timed again (--retries), and each request waits "
+                   "(up to --settle s) for a half-second below it before it starts")
+    p.add_argument("--retries", type=int, default=2, help="times a request disturbed by outside work is redone")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds a request waits at most for a quiet machine")
+    p.add_argument("--prefill-threads", type=int, default=None, help="threads for the prefill (the first, untimed "
+                   "request) of ours and llama.cpp (its n_threads_batch); vLLM's stay --threads")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_decode-<time>)")
     p.add_argument("--no-wandb", action="store_true")

@@ -30,9 +30,12 @@ def llamacpp_status() -> str | None:
 
 
 def llamacpp_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, threads: int, log: Path,
-                    timeout: float | None = None, flash_attn: bool = False) -> PeerSystem:
+                    timeout: float | None = None, flash_attn: bool = False,
+                    threads_batch: int | None = None) -> PeerSystem:
     """One of KINDS, loaded and warmed up. flash_attn: llama.cpp's fused
-    attention (off by default in llama-cpp-python's Llama, as here)."""
+    attention (off by default in llama-cpp-python's Llama, as here);
+    threads_batch: llama.cpp's threads for batches of more than one token
+    (the prefill), by default threads."""
     keep = kind == "llamacpp-keep"
     ctx_len: dict[str, int] = {}
     for r in reqs:
@@ -43,7 +46,8 @@ def llamacpp_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, t
     # Converted once per checkpoint, kept out of the checkpoint's own folder (it may be tracked).
     tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
     gguf = ROOT / "runs" / "gguf" / f"{path.resolve().name}-{tag}-{gguf_type}.gguf"
-    spec = {"model": str(path), "threads": threads, "keep": keep, "ctx_len": ctx_len, "gguf": str(gguf),
+    spec = {"model": str(path), "threads": threads, "threads_batch": threads_batch or threads, "keep": keep,
+            "ctx_len": ctx_len, "gguf": str(gguf),
             "gguf_type": gguf_type, "warmup_ids": reqs[0].ids[:64], "flash_attn": flash_attn}
     return PeerSystem(kind, [str(LLAMACPP_VENV / "bin" / "python"),
                              str(ROOT / "experiments/peers/llamacpp_driver.py")], env, spec, log, timeout)

@@ -6,7 +6,7 @@ from this repository but peer_protocol.py beside it.
     .venv-llamacpp/bin/python experiments/peers/llamacpp_driver.py < requests > replies
 
 Protocol: JSON lines (peer_protocol.py). The first line in is the spec {"model": dir,
-"gguf": path, "gguf_type": "f32", "threads": 2, "keep": true, "ctx_len": {agent: n},
+"gguf": path, "gguf_type": "f32", "threads": 2, "threads_batch": 2, "keep": true, "ctx_len": {agent: n},
 "warmup_ids": [...], "flash_attn": false}; the driver converts the checkpoint to GGUF if needed,
 warms up and answers {"ready": true, ...}. Then each line is one of
   {"op": "begin"}   a new pass over the workflow: drop every context
@@ -94,11 +94,13 @@ def main() -> None:
     gguf = ensure_gguf(Path(spec["model"]), gguf_type, Path(spec["gguf"]) if spec.get("gguf") else None)
     kv_type = {"f32": 0, "f16": 1, "bf16": 30}[gguf_type]
     threads = int(spec["threads"])
+    # llama.cpp runs batches of more than one token (the prefill) on n_threads_batch, single tokens on n_threads.
+    threads_batch = int(spec.get("threads_batch") or threads)
     keep = bool(spec["keep"])
     ctx_len: dict[str, int] = spec["ctx_len"]
 
     def new_context(n_ctx: int) -> Llama:
-        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads_batch, n_batch=512,
                      n_ubatch=512, type_k=kv_type, type_v=kv_type, logits_all=False, verbose=False, seed=0,
                      flash_attn=bool(spec.get("flash_attn", False)))
 
@@ -122,7 +124,8 @@ def main() -> None:
     warm = new_context(512)
     one(warm, spec["warmup_ids"], 4)
     del warm
-    reply({"ready": True, "llama_cpp": llama_cpp.__version__, "gguf": str(gguf), "threads": threads})
+    reply({"ready": True, "llama_cpp": llama_cpp.__version__, "gguf": str(gguf), "threads": threads,
+           "threads_batch": threads_batch})
     contexts: dict[str, Llama] = {}
 
     def turn(msg: dict) -> dict:
