@@ -49,36 +49,31 @@ _warned_fused: list[str] = []
 _warned_layers: list[str] = []
 
 
+def _built(extension, warned: list[str], fallback: str) -> bool:
+    """Whether a C++ extension module (kernels/cpu_*.py) is built; the first
+    time it is not, one warning that `fallback` runs instead."""
+    if extension.available():
+        return True
+    if not warned:
+        warned.append(extension.build_error())
+        warnings.warn(f"{fallback}: {warned[0]}", RuntimeWarning, stacklevel=4)
+    return False
+
+
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if _mode() != "auto" or not cpu_paged_attention.supports(q, k_cache):
         return False
-    if cpu_paged_attention.available():
-        return True
-    if not _warned:
-        _warned.append(cpu_paged_attention.build_error())
-        warnings.warn(f"CPU attention runs the slower torch reference: {_warned[0]}", RuntimeWarning, stacklevel=3)
-    return False
+    return _built(cpu_paged_attention, _warned, "CPU attention runs the slower torch reference")
 
 
 def _use_cpu_fused(x: torch.Tensor) -> bool:
     if _mode() != "auto" or not cpu_fused_ops.supports(x):
         return False
-    if cpu_fused_ops.available():
-        return True
-    if not _warned_fused:
-        _warned_fused.append(cpu_fused_ops.build_error())
-        warnings.warn(f"RMSNorm and RoPE run the slower torch references: {_warned_fused[0]}", RuntimeWarning,
-                      stacklevel=3)
-    return False
+    return _built(cpu_fused_ops, _warned_fused, "RMSNorm and RoPE run the slower torch references")
 
 
 def _use_cpu_layers() -> bool:
-    if cpu_layers.available():
-        return True
-    if not _warned_layers:
-        _warned_layers.append(cpu_layers.build_error())
-        warnings.warn(f"The CPU forward runs its layers in Python: {_warned_layers[0]}", RuntimeWarning, stacklevel=3)
-    return False
+    return _built(cpu_layers, _warned_layers, "The CPU forward runs its layers in Python")
 
 
 def _triton(module: str, name: str):
