@@ -81,7 +81,7 @@ def make(
     sin: torch.Tensor,
     final_norm: torch.Tensor,
     lm_head: PackedLinear,
-):
+) -> torch.ScriptObject:
     """The loop over layers with caches[i] = layer i's (K pages, V pages)
     [P, page_size, Hkv, D]; the attention's scale is head_dim ** -0.5, as
     model/llama.py's. Raises ValueError (or RuntimeError where another
@@ -106,9 +106,9 @@ def runs(meta: AttnMetadata, dtype: torch.dtype) -> bool:
 
 
 def forward(
-    loop, h: torch.Tensor, o_rows: torch.Tensor, meta: AttnMetadata, logit_indices: torch.Tensor | None
+    loop: torch.ScriptObject, h: torch.Tensor, o_rows: torch.Tensor, meta: AttnMetadata, logit_indices: torch.Tensor | None
 ) -> torch.Tensor:
-    """fp32 logits at logit_indices (at all meta.num_tokens tokens when None)
+    """fp32 logits at the integer logit_indices (at all meta.num_tokens tokens when None)
     of the step whose embedded rows are h [R, hidden] (T tokens, then padding
     rows); o_rows: the [R, heads * head_dim] rows the attention writes
     (model/llama.py's ForwardScratch.attention_rows). Needs runs(meta, h.dtype)."""

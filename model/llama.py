@@ -215,7 +215,7 @@ class ForwardScratch:
         # (model, its PackedWeights, the packed weights, their versions, the loop).
         self._loop: tuple | None = None
 
-    def layer_loop(self, model: Transformer):
+    def layer_loop(self, model: Transformer) -> torch.ScriptObject | None:
         """model's layers over this pool as one C++ loop (kernels/cpu_layers.py),
         made on first use and again after model.prepack or a write in place
         to a linear's weight (as PackedWeights repacks; replacing a weight
@@ -263,7 +263,9 @@ class ForwardScratch:
 _warned_loop: list[str] = []
 
 
-def _make_loop(model: Transformer, packed: PackedWeights, caches: list[tuple[torch.Tensor, torch.Tensor]]):
+def _make_loop(
+    model: Transformer, packed: PackedWeights, caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.ScriptObject:
     cfg = model.cfg
     layers = [
         cpu_layers.LayerWeights(
