@@ -136,9 +136,11 @@ struct TileMask {
 // The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
 // each key's lines are prefetched as the same key of this tile is read, so
 // that the requests are spread over the tile rather than issued in a burst.
-// The prefetch is an asm statement: GCC 12 compiled every __builtin_prefetch
-// of this file to nothing, which left rounds 1-3 of this kernel with no
-// software prefetch at all (docs/bench_cpu_attention.md, round 4).
+// The prefetch is an asm statement: GCC 12 counts __builtin_prefetch as free
+// of side effects, so a function holding only prefetches is deleted at its
+// calls when it is not inlined. This file compiled to no prefetch instruction
+// at all, rounds 1-3 of the kernel included (docs/bench_cpu_attention.md,
+// round 4).
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
 template <int64_t Bytes>  // of one key
