@@ -29,7 +29,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 constexpr int kLanes = 16;  // keys per tile: one score vector per row
-constexpr int64_t kPrefetchKeys = 4 * kLanes;  // 2: the same within noise; 1: fp32 2.7x slower
+constexpr int64_t kPrefetchKeys = 2 * kLanes;  // 4 and 8 tiles ahead measured slower (round 4)
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -136,15 +136,23 @@ struct TileMask {
 // The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
 // each key's lines are prefetched as the same key of this tile is read, so
 // that the requests are spread over the tile rather than issued in a burst.
+// The prefetch is an asm statement: GCC 12 counts __builtin_prefetch as free
+// of side effects, so a function holding only prefetches is deleted at its
+// calls when it is not inlined. This file compiled to no prefetch instruction
+// at all, rounds 1-3 of the kernel included (docs/bench_cpu_attention.md,
+// round 4).
+inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+
+template <int64_t Bytes>  // of one key
 struct Ahead {
   const char *k = nullptr, *v = nullptr;
-  int64_t k_stride = 0, v_stride = 0, bytes = 0;  // bytes between keys; of one key
-  static void key(const char* base, int64_t stride, int64_t bytes, int i) {
+  int64_t k_stride = 0, v_stride = 0;  // bytes between keys
+  static void key(const char* base, int64_t stride, int i) {
     if (base == nullptr) return;
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + i * stride + b);
+    for (int64_t b = 0; b < Bytes; b += 64) prefetch_line(base + i * stride + b);
   }
-  void k_key(int i) const { key(k, k_stride, bytes, i); }
-  void v_key(int i) const { key(v, v_stride, bytes, i); }
+  void k_key(int i) const { key(k, k_stride, i); }
+  void v_key(int i) const { key(v, v_stride, i); }
 };
 
 // One score vector per row for the tile's 16 keys: dot(i, d) writes key i's
@@ -193,9 +201,9 @@ inline v16f tile_softmax(v16f s, int64_t row, const TileMask& mask, float& m, fl
 // Rows [r0, r0 + RB) over one tile of 16 keys and values, read (and
 // converted to fp32) straight from their pages: scores, the online-softmax
 // update of (m, l), and the outputs a. q is pre-scaled fp32.
-template <typename T, int NV, int RB>
+template <typename T, int NV, int RB, typename Prefetch>
 inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v16f* a, float* m, float* l,
-                      int64_t r0, const TileMask& mask, const Ahead& ahead) {
+                      int64_t r0, const TileMask& mask, const Prefetch& ahead) {
   v16f q[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int w = 0; w < NV; ++w) q[r][w] = qf[(r0 + r) * NV + w];
@@ -245,9 +253,9 @@ constexpr int64_t dp_dim_slot(int64_t d) {
 
 inline __m512i load_words(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
-template <int NV, int RB>
+template <int NV, int RB, typename Prefetch>
 inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uint16_t* const* vp, v16f* a, float* m,
-                         float* l, int64_t r0, const TileMask& mask, float scale, const Ahead& ahead) {
+                         float* l, int64_t r0, const TileMask& mask, float scale, const Prefetch& ahead) {
   constexpr int NW = NV / 2;  // 32-element words per row
   __m512bh q[RB][NW];
   for (int r = 0; r < RB; ++r)
@@ -344,7 +352,7 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
   // A tile lies within one page when pages hold whole tiles (one table read
   // per tile); smaller pages are looked up per key.
   const bool one_page = page_size % kLanes == 0;
-  const int64_t key_bytes = D * sizeof(T);
+  using Prefetch = Ahead<D * sizeof(T)>;
   for (int64_t start = key_lo; start < key_hi; start += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, key_hi - start);
     const int64_t tile_page = one_page ? table[start / page_size] : 0, tile_slot = start % page_size;
@@ -362,20 +370,18 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
     }
     // The tile kPrefetchKeys ahead, so that its reads overlap this math: the
     // loads stalled on memory without it.
-    Ahead ahead;
+    Prefetch ahead;
     const int64_t next = start + kPrefetchKeys;
     if (one_page && next < s_len) {
       const int64_t page = table[next / page_size], slot = next % page_size;
       ahead = {reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot),
                reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot),
-               int64_t(ks.slot * sizeof(T)), int64_t(vs.slot * sizeof(T)), key_bytes};
+               int64_t(ks.slot * sizeof(T)), int64_t(vs.slot * sizeof(T))};
     } else {
       for (int64_t pos = next, end = std::min(s_len, next + kLanes); pos < end; ++pos) {
         const int64_t page = table[pos / page_size], slot = pos % page_size;
-        Ahead::key(reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot), 0,
-                   key_bytes, 0);
-        Ahead::key(reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot), 0,
-                   key_bytes, 0);
+        Prefetch::key(reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot), 0, 0);
+        Prefetch::key(reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot), 0, 0);
       }
     }
     // Only a tile past the first query's position, reaching below the last
