@@ -44,7 +44,7 @@ reading the weights and the K/V once at the memory-read rate.
     python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
         [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--schedule rotate|grouped]
-        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--out DIR]
+        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--pin VCPUS] [--out DIR]
 
 Writes runs/bench_decode-<time>/{results.json, report.txt, decode.png, wandb/}.
 """
