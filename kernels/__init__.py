@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_fused_ops, cpu_paged_attention, reference
+from kernels import cpu_fused_ops, cpu_layers, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 
 __all__ = [
@@ -46,29 +46,34 @@ def use_triton(t: torch.Tensor) -> bool:
 
 _warned: list[str] = []
 _warned_fused: list[str] = []
+_warned_layers: list[str] = []
+
+
+def _built(extension, warned: list[str], fallback: str) -> bool:
+    """Whether a C++ extension module (kernels/cpu_*.py) is built; the first
+    time it is not, one warning that `fallback` runs instead."""
+    if extension.available():
+        return True
+    if not warned:
+        warned.append(extension.build_error())
+        warnings.warn(f"{fallback}: {warned[0]}", RuntimeWarning, stacklevel=4)
+    return False
 
 
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     if _mode() != "auto" or not cpu_paged_attention.supports(q, k_cache):
         return False
-    if cpu_paged_attention.available():
-        return True
-    if not _warned:
-        _warned.append(cpu_paged_attention.build_error())
-        warnings.warn(f"CPU attention runs the slower torch reference: {_warned[0]}", RuntimeWarning, stacklevel=3)
-    return False
+    return _built(cpu_paged_attention, _warned, "CPU attention runs the slower torch reference")
 
 
 def _use_cpu_fused(x: torch.Tensor) -> bool:
     if _mode() != "auto" or not cpu_fused_ops.supports(x):
         return False
-    if cpu_fused_ops.available():
-        return True
-    if not _warned_fused:
-        _warned_fused.append(cpu_fused_ops.build_error())
-        warnings.warn(f"RMSNorm and RoPE run the slower torch references: {_warned_fused[0]}", RuntimeWarning,
-                      stacklevel=3)
-    return False
+    return _built(cpu_fused_ops, _warned_fused, "RMSNorm and RoPE run the slower torch references")
+
+
+def _use_cpu_layers() -> bool:
+    return _built(cpu_layers, _warned_layers, "The CPU forward runs its layers in Python")
 
 
 def _triton(module: str, name: str):
@@ -101,12 +106,15 @@ class StepKernels:
     """The implementations of the per-layer ops one forward runs, with the
     signatures of the dispatchers below. rope_and_store may rotate q in
     place (the C++ one does): callers use what it returns and keep no copy
-    of q's unrotated rows."""
+    of q's unrotated rows. layer_loop: all four are the C++ ones and the
+    loop over layers that calls them builds (kernels/cpu_layers.py), so a
+    forward whose linears are the C++ ones too may run its layers there."""
 
     rmsnorm: Callable
     rope_and_store: Callable
     paged_attention: Callable
     silu_mul: Callable
+    layer_loop: bool = False
 
 
 _selected: dict[tuple, StepKernels] = {}
@@ -120,7 +128,7 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
     # The build's state is part of the key: a build that fails (or is made
     # to fail, as tests do) changes the choice from the next forward on.
     key = (mode, x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
-           cpu_paged_attention.build_error(), cpu_fused_ops.build_error())
+           cpu_paged_attention.build_error(), cpu_fused_ops.build_error(), cpu_layers.build_error())
     chosen = _selected.get(key)
     if chosen is None:
         triton = mode == "triton" or (mode == "auto" and x.is_cuda)
@@ -129,13 +137,19 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
         q_like = k_cache[0, 0] if x.dtype == k_cache.dtype else x
         # The fused C++ ops take one dtype for activations, weights and caches.
         fused = triton or x.dtype == k_cache.dtype
-        chosen = StepKernels(
+        impls = dict(
             rmsnorm=_rmsnorm_impl(x, triton) if fused else reference.rmsnorm,
             rope_and_store=_rope_impl(x, triton) if fused else reference.rope_and_store,
             paged_attention=_attention_impl(q_like, k_cache, triton),
             # On GPUs the reference's two elementwise ops are two launches.
             silu_mul=cpu_fused_ops.silu_mul if not triton and _use_cpu_fused(x) else reference.silu_mul,
         )
+        in_cpp = (
+            impls["rmsnorm"] is cpu_fused_ops.rmsnorm and impls["rope_and_store"] is cpu_fused_ops.rope_and_store
+            and impls["silu_mul"] is cpu_fused_ops.silu_mul
+            and impls["paged_attention"] is cpu_paged_attention.paged_attention
+        )
+        chosen = StepKernels(**impls, layer_loop=in_cpp and _use_cpu_layers())
         _selected[key] = chosen
     return chosen
 

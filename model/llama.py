@@ -5,6 +5,7 @@ Prefill, a turn's delta, a decode step and a speculative verify are all this.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import AttnMetadata, reference
+from kernels import AttnMetadata, cpu_layers, reference
 from kernels.metadata import bucket
 from model import packed_linear
 from model.config import ModelConfig
@@ -175,9 +176,15 @@ class Transformer(nn.Module):
         # forward methods, not Module.__call__ (no hooks are used, and its
         # bookkeeping is a few microseconds a call, 11 calls a layer).
         ops = kernels.select(h, layers[0][0])
-        norm, silu_mul = ops.rmsnorm, ops.silu_mul
         cfg = self.cfg
         o_rows, o_heads = scratch.attention_rows(h.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, h.dtype)
+        if ops.layer_loop and cpu_layers.runs(meta, h.dtype):
+            loop = scratch.layer_loop(self)
+            if loop is not None:
+                # The same ops in the same order as below, without the Python
+                # between them (kernels/cpu_layers.py).
+                return cpu_layers.forward(loop, h, o_rows, meta, logit_indices)
+        norm, silu_mul = ops.rmsnorm, ops.silu_mul
         cos, sin = self.cos, self.sin
         residual = None
         for block, (k_cache, v_cache) in zip(self.blocks, layers):
@@ -205,6 +212,32 @@ class ForwardScratch:
         self.kv = kv
         self.layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
         self._attention: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        # (model, its PackedWeights, the packed weights, their versions, the loop).
+        self._loop: tuple | None = None
+
+    def layer_loop(self, model: Transformer) -> torch.ScriptObject | None:
+        """model's layers over this pool as one C++ loop (kernels/cpu_layers.py),
+        made on first use and again after model.prepack or a write in place
+        to a linear's weight (as PackedWeights repacks; replacing a weight
+        tensor, like a write through .data, needs prepack again); None where
+        the linears are not the C++ kernel's or it cannot be made here."""
+        packed = model.packed
+        if packed is None or packed.kernel != "cpp":
+            return None
+        kept = self._loop
+        if kept is not None and kept[0] is model and kept[1] is packed and [p._version for p in kept[2]] == kept[3]:
+            return kept[4]
+        weights = [w for b in model.blocks for w in (b.attn.qkv_weight, b.attn.o_weight, b.mlp.gate_up_weight,
+                                                     b.mlp.down_weight)] + [model.lm_head]
+        try:
+            loop = _make_loop(model, packed, self.layers)
+        except RuntimeError as e:  # another extension's op missing or changed: the Python loop runs
+            if not _warned_loop:
+                _warned_loop.append(str(e))
+                warnings.warn(f"The CPU forward runs its layers in Python: {e}", RuntimeWarning, stacklevel=3)
+            loop = None
+        self._loop = (model, packed, weights, [p._version for p in weights], loop)
+        return loop
 
     def attention_rows(
         self, rows: int, t: int, heads: int, head_dim: int, dtype: torch.dtype
@@ -225,3 +258,24 @@ class ForwardScratch:
             self._attention[dim, dtype] = buf
         o_rows = buf[:rows]
         return o_rows, o_rows[:t].view(t, heads, head_dim)
+
+
+_warned_loop: list[str] = []
+
+
+def _make_loop(
+    model: Transformer, packed: PackedWeights, caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.ScriptObject:
+    cfg = model.cfg
+    layers = [
+        cpu_layers.LayerWeights(
+            b.attn_norm, packed.get(b.attn.qkv_weight), b.attn.qkv_bias, packed.get(b.attn.o_weight), b.attn.o_bias,
+            b.mlp_norm, packed.get(b.mlp.gate_up_weight), b.mlp.gate_up_bias, packed.get(b.mlp.down_weight),
+            b.mlp.down_bias, b.attn.window,
+        )
+        for b in model.blocks
+    ]
+    return cpu_layers.make(
+        layers, caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.cos, model.sin,
+        model.norm, packed.get(model.lm_head),
+    )
