@@ -44,7 +44,7 @@ reading the weights and the K/V once at the memory-read rate.
     python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
         [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--schedule rotate|grouped]
-        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--out DIR]
+        [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--pin VCPUS] [--out DIR]
 
 Writes runs/bench_decode-<time>/{results.json, report.txt, decode.png, wandb/}.
 """
@@ -64,6 +64,7 @@ from tqdm import tqdm
 from engine.chat_turn import common_prefix_len
 from experiments.bench_cpu_attention import attention_case, read_bandwidth, time_attention
 from experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from experiments.drivers.affinity import parse_cpus, pin_process
 from experiments.drivers.checkpoint import prepare_checkpoint
 from experiments.drivers.engine_local import EngineDecode
 from experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
@@ -116,10 +117,16 @@ def probe_bandwidth(buf: torch.Tensor, repeats: int = 3) -> float:
 
 
 def median_usage(usages: list[dict]) -> dict:
-    """Each field of the timed requests' experiments.proc_usage figures, its median (None where unknown)."""
-    keys = usages[0] if usages else {}
-    return {k: median([u[k] for u in usages if u[k] is not None]) if any(u[k] is not None for u in usages) else None
-            for k in keys}
+    """Each field of the timed requests' experiments.proc_usage figures, its median (None where unknown);
+    of a per-vCPU field, each vCPU's median."""
+    out = {}
+    for k in usages[0] if usages else {}:
+        known = [u[k] for u in usages if u[k] is not None]
+        if known and isinstance(known[0], dict):
+            out[k] = {c: median([x[c] for x in known if c in x]) for c in known[0]}
+        else:
+            out[k] = median(known) if known else None
+    return out
 
 
 def attention_ms(cfg: ModelConfig, dtype: torch.dtype, context: int, page_size: int, repeats: int) -> float | None:
@@ -167,13 +174,20 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                args, log: Path, skipped: dict[str, str], bar: tqdm) -> list[dict]:
     """Every context at one (dtype, threads): one row per context."""
     torch.set_num_threads(threads)
+    every = os.sched_getaffinity(0)
+    if args.pin:
+        pin_process(os.getpid(), args.pin)  # the read on the vCPUs the systems will decode on
     bandwidth = [read_bandwidth(5)]
     reqs = [Request(i, f"c{c}", 0, [], [], ids, args.decode_tokens, args.decode_tokens)
             for i, (c, ids) in enumerate(prompts.items())]
+    if args.pin:  # the systems load on every vCPU; they are pinned before each request
+        pin_process(os.getpid(), every)
     live = start_systems(systems, path, reqs, dtype, threads, args, log, skipped)
     info = {s: dict(getattr(x, "info", {})) for s, x in live.items()}
     probe_buf = torch.ones(1 << 26)  # 256 MiB, past the L3
     pids = {s: x.proc.pid if isinstance(x, PeerSystem) else os.getpid() for s, x in live.items()}
+    # Ours runs in this process: its pin is the bench's own, and the bench's probes share it.
+    pinned_pids = set(pids.values()) | {os.getpid()}
     rows = []
     for r in reqs:
         context = len(r.ids)
@@ -185,6 +199,12 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             if s in skipped:
                 return
             others = [p for o, p in pids.items() if o != s] + ([os.getpid()] if s != "ours" else [])
+            if args.pin:
+                # A one-vCPU pin would squeeze a multi-thread prefill onto one core: the prefill (untimed)
+                # gets every vCPU. Each request re-pins every thread (pools grow after a process starts).
+                wide = rep == 0 and (args.prefill_threads or threads) > len(args.pin)
+                for pid in pinned_pids:
+                    pin_process(pid, every if wide else args.pin)
             for attempt in range(args.retries + 1):
                 what = ("prefill" if rep == 0 else f"rep {rep}") + (f" again {attempt}" if attempt else "")
                 bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {what}")
@@ -260,6 +280,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             pass
     live.clear()
     gc.collect()
+    if args.pin:
+        pin_process(os.getpid(), args.pin)
     bandwidth.append(read_bandwidth(5))
     bw = median(bandwidth)
     for row in rows:
@@ -275,6 +297,9 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             _, kv_attn = step_bytes(cfg, getattr(torch, dtype).itemsize, row["context"])
             row["attention_ms"], row["attention_GBps"] = attn, kv_attn / attn / 1e6
             row["attention_share_of_read"] = row["attention_GBps"] / bw
+        row["pin"] = args.pin
+    if args.pin:
+        pin_process(os.getpid(), every)
     for s, x in info.items():
         for row in rows:
             if s in row["systems"]:
@@ -289,6 +314,8 @@ def run(args) -> dict:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     threads = [int(t) for t in args.threads.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.pin and max(threads) > len(args.pin):
+        raise SystemExit(f"--pin {','.join(map(str, args.pin))} gives fewer vCPUs than {max(threads)} threads")
     path = prepare_checkpoint(args.shape, args.seed)
     cfg = ModelConfig.from_dir(path)
     if max(contexts) + args.decode_tokens + 16 > cfg.max_position_embeddings:
@@ -340,14 +367,15 @@ def fmt(x, spec: str = ".1f") -> str:
 
 def report(res: dict) -> str:
     systems = [s for s in res["systems_requested"] if any(s in r["systems"] for r in res["rows"])]
-    heads = (["dtype", "threads", "context", "read GB/s", "bound ms"] + [f"{s} ms" for s in systems]
+    heads = (["dtype", "threads", "context", "vCPUs", "read GB/s", "bound ms"] + [f"{s} ms" for s in systems]
              + [f"ours/{p}" for p in PEERS if p in systems and "ours" in systems]
              + ["attn ms", "attn GB/s", "attn/read"])
     rows = []
     for r in res["rows"]:
         ms = [fmt(r["systems"].get(s, {}).get("ms_per_token")) for s in systems]
         ratios = [fmt(r.get(f"ours_over_{p}"), ".2f") for p in PEERS if p in systems and "ours" in systems]
-        rows.append([r["dtype"], r["threads"], r["context"], r["read_GBps"], r["bound_ms"], *ms, *ratios,
+        vcpus = ",".join(map(str, r["pin"])) if r.get("pin") else "any"
+        rows.append([r["dtype"], r["threads"], r["context"], vcpus, r["read_GBps"], r["bound_ms"], *ms, *ratios,
                      fmt(r.get("attention_ms")), fmt(r.get("attention_GBps")),
                      fmt(r.get("attention_share_of_read"), ".2f")])
     lines = [table(heads, rows), ""]
@@ -359,10 +387,11 @@ def report(res: dict) -> str:
             for r in res["rows"] for s, x in r["systems"].items()]
     lines += [table(heads, rows), ""]
     heads = ["dtype", "threads", "context", "system", "cpu/wall", "preempted", "minflt", "majflt", "others cores",
-             "foreign cores", "steal", "probe GB/s"]
+             "foreign cores", "steal", "probe GB/s", "vCPU busy"]
     rows = [[r["dtype"], r["threads"], r["context"], s, *(fmt(u.get(k), f) for k, f in (
                 ("cpu_per_wall", ".2f"), ("nonvoluntary", ".0f"), ("minflt", ".0f"), ("majflt", ".0f"),
-                ("others_cores", ".2f"), ("foreign_cores", ".2f"), ("steal_share", ".2f"), ("probe_GBps", ".1f")))]
+                ("others_cores", ".2f"), ("foreign_cores", ".2f"), ("steal_share", ".2f"), ("probe_GBps", ".1f"))),
+             " ".join(f"{c}:{b:.2f}" for c, b in sorted((u.get("vcpu_busy") or {}).items())) or "-"]
             for r in res["rows"] for s, x in r["systems"].items() for u in [x.get("usage_median") or {}]]
     lines += [table(heads, rows), ""]
     lines.append(
@@ -370,7 +399,8 @@ def report(res: dict) -> str:
         "seconds per second (its thread count when it never waits); preempted: its involuntary context switches; "
         "minflt/majflt: its page faults; others cores: the other started systems' CPU (idle peers: 0); foreign "
         "cores: the rest of the machine's (other users, the kernel); steal: the hypervisor's, in cores; probe: a "
-        "256 MiB read just before the request, on the run's threads")
+        "256 MiB read just before the request, on the run's threads; vCPU busy: each vCPU's busy share (all "
+        "processes), which vCPU did the work")
     lines.append(
         f"ms: median decode step (interval between two tokens) over {res['args']['repeats']} requests of "
         f"{res['args']['decode_tokens']} tokens after a warm-up one that prefills the context (p10/p90: its "
@@ -444,6 +474,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=10.0, help="seconds a request waits at most for a quiet machine")
     p.add_argument("--prefill-threads", type=int, default=None, help="threads for the prefill (the first, untimed "
                    "request) of ours and llama.cpp (its n_threads_batch); vLLM's stay --threads")
+    p.add_argument("--pin", type=parse_cpus, default=None, help="vCPUs (e.g. 0, or 0,1) that every system's "
+                   "threads (ours, the peers', the bench's probes) are pinned to for each timed request, the same for "
+                   "all; at least --threads of them. The prefill gets every vCPU when --prefill-threads (or "
+                   "--threads) exceeds them. Default: no pin, the kernel places each thread")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_decode-<time>)")
     p.add_argument("--no-wandb", action="store_true")

@@ -55,25 +55,41 @@ def machine_ticks() -> tuple[int, int] | None:
     return user + nice + system + irq + softirq, steal
 
 
+def vcpu_ticks() -> dict[int, int] | None:
+    """Busy ticks per vCPU (as machine_ticks counts them): which vCPU did the work."""
+    out = {}
+    try:
+        for line in Path("/proc/stat").read_text().splitlines()[1:]:
+            if not line.startswith("cpu"):
+                break
+            name, *v = line.split()
+            user, nice, system, _idle, _iowait, irq, softirq = ([int(x) for x in v] + [0] * 7)[:7]
+            out[int(name[3:])] = user + nice + system + irq + softirq
+    except (OSError, ValueError):
+        return None
+    return out
+
+
 @dataclass(frozen=True)
 class Snapshot:
     timed: ProcTicks | None
     others: dict[int, ProcTicks | None]
     machine: tuple[int, int] | None
+    vcpus: dict[int, int] | None = None
 
 
 def snapshot(timed_pid: int, other_pids: list[int]) -> Snapshot:
-    return Snapshot(proc_ticks(timed_pid), {p: proc_ticks(p) for p in other_pids}, machine_ticks())
+    return Snapshot(proc_ticks(timed_pid), {p: proc_ticks(p) for p in other_pids}, machine_ticks(), vcpu_ticks())
 
 
 def usage(before: Snapshot, after: Snapshot, wall_s: float) -> dict:
     """What happened between two snapshots over wall_s seconds: cpu_per_wall
     (the timed process's CPU seconds per second), its faults and involuntary
     switches, others_cores (the other started processes' CPU seconds per
-    second), foreign_cores (the rest of the machine's) and steal_share
-    (steal per second, in cores)."""
+    second), foreign_cores (the rest of the machine's), steal_share
+    (steal per second, in cores) and vcpu_busy (each vCPU's busy share, by id)."""
     out: dict = dict.fromkeys(("cpu_per_wall", "minflt", "majflt", "nonvoluntary", "others_cores", "foreign_cores",
-                               "steal_share"))
+                               "steal_share", "vcpu_busy"))
     if wall_s <= 0:
         return out
     seconds = 1.0 / TICK / wall_s
@@ -91,6 +107,8 @@ def usage(before: Snapshot, after: Snapshot, wall_s: float) -> dict:
         # Tick sampling can put the machine a tick behind the processes: never below zero.
         out["foreign_cores"] = max(0, busy - own - others) * seconds
         out["steal_share"] = (after.machine[1] - before.machine[1]) * seconds
+    if before.vcpus and after.vcpus:
+        out["vcpu_busy"] = {c: (after.vcpus[c] - t) * seconds for c, t in before.vcpus.items() if c in after.vcpus}
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -123,3 +124,42 @@ def test_grouped_schedule_times_each_system_back_to_back(tmp_path):
     assert ours["steps"] == 2 * (3 - 1) and len(ours["usage"]) == 2 and 0 <= ours["redone"] <= 2
     assert torch.get_num_threads() == caller_threads  # the bench gives the caller's threads back
     assert "preempted" in (tmp_path / "out" / "report.txt").read_text()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two vCPUs to tell a pin from none")
+def test_pin_puts_every_timed_request_on_the_given_vcpu_and_the_prefill_on_all(tmp_path, monkeypatch):
+    from experiments.drivers.engine_local import EngineDecode
+
+    every, seen = os.sched_getaffinity(0), []
+    real = EngineDecode.decode
+
+    def decode(self, ids, gen, agent):
+        seen.append(os.sched_getaffinity(0))
+        return real(self, ids, gen, agent)
+
+    monkeypatch.setattr(EngineDecode, "decode", decode)
+    pin = max(every)
+    res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
+                             "--systems", "ours", "--decode-tokens", "3", "--repeats", "2", "--pin", str(pin),
+                             "--prefill-threads", "2", "--max-foreign", "1000",
+                             "--out", str(tmp_path / "out"), "--no-wandb"])
+    # seen[0] is start_systems' warm-up, seen[1] the prefill (2 threads: every vCPU), then the timed ones.
+    assert seen[1] == every and seen[2:] == [{pin}, {pin}]
+    assert res["rows"][0]["pin"] == [pin] and os.sched_getaffinity(0) == every
+    assert f" {pin} " in (tmp_path / "out" / "report.txt").read_text().splitlines()[2]
+    busy = res["rows"][0]["systems"]["ours"]["usage_median"]["vcpu_busy"]
+    assert set(busy) == every and all(b >= 0 for b in busy.values())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs vCPUs 0 and 1")
+def test_pin_refuses_bad_lists_and_fewer_vcpus_than_threads(tmp_path):
+    from experiments.drivers.affinity import parse_cpus
+
+    assert parse_cpus("0") == [0] and parse_cpus(" 0 ") == [0] and parse_cpus("1,0") == parse_cpus("0-1") == [0, 1]
+    for bad in ("", "x", "0-", "1-0", str(max(os.sched_getaffinity(0)) + 1)):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+    with pytest.raises(SystemExit, match="fewer vCPUs"):
+        bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "2", "--contexts", "32",
+                           "--systems", "ours", "--pin", "0", "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert not (tmp_path / "out").exists()

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from experiments.proc_usage import TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, wait_quiet
+from experiments.proc_usage import (TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, vcpu_ticks,
+                                    wait_quiet)
 
 
 def test_usage_splits_the_machine_into_timed_others_and_foreign():
@@ -21,6 +22,20 @@ def test_usage_splits_the_machine_into_timed_others_and_foreign():
     assert u["others_cores"] == pytest.approx(0.25)
     # 3 s busy in all, 2 of them the timed process's, 0.5 the other process's.
     assert u["foreign_cores"] == pytest.approx(0.25) and u["steal_share"] == pytest.approx(0.125)
+
+
+def test_usage_says_which_vcpu_was_busy():
+    before = Snapshot(None, {}, None, {0: 10, 1: 500})
+    after = Snapshot(None, {}, None, {0: 10 + TICK, 1: 500 + TICK // 10})
+    assert usage(before, after, 1.0)["vcpu_busy"] == pytest.approx({0: 1.0, 1: 0.1})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_vcpu_ticks_has_every_vcpu_and_sums_to_the_machine():
+    ticks, machine = vcpu_ticks(), machine_ticks()
+    assert set(ticks) >= os.sched_getaffinity(0)
+    # Read a moment apart: the per-vCPU sum may be a few ticks ahead of the total.
+    assert abs(sum(ticks.values()) - machine[0]) <= 10 * len(ticks)
 
 
 def test_usage_without_proc_or_wall_is_unknown():
