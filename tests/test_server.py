@@ -247,20 +247,25 @@ def test_concurrent_clients_match_one_at_a_time(server):
     assert_all_pages_free(server.engine)
 
 
-def test_disconnect_mid_stream_leaks_nothing(server):
+def test_disconnect_mid_stream_leaks_nothing(server, monkeypatch):
     client = server.client()
     bystander_alone = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     body = {"model": MODEL, "messages": USER, "stream": True, "max_tokens": 300, "temperature": 1.0, "seed": 1,
             "session_id": "dropped", "ignore_eos": True}
-    # The role chunk goes out before the first token; holding the engine lock
-    # from then on stalls generation, so the stream is surely closed mid-way
-    # however fast the machine decodes.
+    # The scheduler's loop is held between steps (holding no lock) before the
+    # request is sent, so no step runs until the stream is closed: a race
+    # against the role chunk was lost once the step got fast enough to
+    # finish all 300 tokens first.
     sched = server.engine.scheduler
+    parked, gate, step = threading.Event(), threading.Event(), sched.step
+    monkeypatch.setattr(sched, "step", lambda: (parked.set(), gate.wait(60), step())[2])
+    assert parked.wait(10)
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the role chunk
         server.engine.lock.acquire()
+        gate.set()  # the loop now waits on the engine lock the test holds
     try:
         (req,) = sched.running + sched.waiting
         for _ in range(500):  # the server notices the disconnect without the engine lock

@@ -308,10 +308,16 @@ def test_a_seeded_sample_does_not_depend_on_other_sessions_outputs(suffix_engine
     for i in range(len(prompt) + 1, len(text)):
         engine.drafters.finished("default", text[i - 12 : i] + torch.randint(0, VOCAB, (8,), generator=g).tolist())
     assert sample() == before
-    with engine.session() as s:
-        s.append(prompt)
-        s.generate(max_tokens=24, temperature=1.0, ignore_eos=True)
-        assert s.drafter().from_outputs > 0
+
+    def unseeded_drafts_from_outputs() -> int:
+        with engine.session() as s:
+            s.append(prompt)
+            s.generate(max_tokens=24, temperature=1.0, ignore_eos=True)
+            return s.drafter().from_outputs
+
+    # Whether one unseeded reply finds a match in the outputs is chance (its
+    # tokens are random; about 1 in 40 drafts none from them): five tries.
+    assert any(unseeded_drafts_from_outputs() > 0 for _ in range(5))
 
 
 def test_page_accounting_after_suffix_draft_rejections(suffix_engine):
