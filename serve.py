@@ -49,6 +49,9 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--drafter", choices=KINDS, default="suffix",
                         help="speculation's draft source: suffix trees over the session and its namespace's recent "
                              "outputs, or ngram prompt lookup over the session alone (docs/bench_spec.md)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (default on a CUDA device: decode and fixed-length verify "
+                             "steps replay CUDA graphs, engine/decode_graphs.py)")
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
                              "used expire (404)")
@@ -144,7 +147,7 @@ def serve(argv: list[str]) -> None:
         kv_offload_bytes=int(args.kv_offload_gb * 2**30),
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
         kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec,
-        kv_resume=not args.shared_state, drafter=args.drafter)
+        kv_resume=not args.shared_state, drafter=args.drafter, decode_graphs=False if args.enforce_eager else None)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
     if args.state_dir and engine.tier is None:

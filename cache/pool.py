@@ -44,12 +44,15 @@ class PagePool:
         # On huge pages where the OS has them: a decode step streams every
         # head's pages, and 4 KB pages cost it a TLB walk and a prefetcher
         # restart every 4 KB (docs/bench_cpu_attention.md, round 3).
+        # One page more than num_pages, never handed out: where the padding
+        # sequences of a fixed-shape step write their K/V (engine/decode_graphs.py).
+        self.scratch_page = num_pages
         storage = hugepages.zeros(
-            (num_layers, 2, num_kv_heads, num_pages, page_size, head_dim), dtype=dtype, device=device
+            (num_layers, 2, num_kv_heads, num_pages + 1, page_size, head_dim), dtype=dtype, device=device
         )
         self.kv = storage.permute(0, 1, 3, 4, 2, 5)
         # Slot-addressed: [layer, K/V, head, page * page_size + slot, dim].
-        self._slots = storage.view(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+        self._slots = storage.view(num_layers, 2, num_kv_heads, (num_pages + 1) * page_size, head_dim)
         self.refcount = [0] * num_pages
         # A stack popped from the end: low page ids first, so a fresh sequence
         # tends to get consecutive pages.

@@ -14,6 +14,7 @@ from cache.kv_tier import KVTier
 from cache.pool import PagePool
 from cache.radix import RadixCache
 from engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
+from engine.decode_graphs import MAX_BATCH, DecodeGraphs
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCache
 from engine.kv_policy import KVPolicy
@@ -74,6 +75,7 @@ class Engine:
         drafter: str = "suffix",
         forced_drafts: bool = True,
         schema_drafts: bool = False,
+        decode_graphs: bool | None = None,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -85,7 +87,16 @@ class Engine:
                 kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, model.dtype
             )
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.pool)
+        self.limits = limits or Limits()
+        # Decode and fixed-length verify steps at fixed shapes (engine/decode_graphs.py):
+        # None, on a CUDA device, as CUDA graphs; True, elsewhere too, run
+        # eagerly (how the CPU tests run that path); False, every step eager
+        # (vLLM's --enforce-eager).
+        if decode_graphs is None:
+            decode_graphs = model.device.type == "cuda"
+        graphs = DecodeGraphs(model, self.pool, cfg.max_position_embeddings,
+                              min(MAX_BATCH, self.limits.max_num_seqs)) if decode_graphs else None
+        self.runner = ModelRunner(model, self.pool, graphs)
         self.stateless = stateless
         self.radix = RadixCache(self.pool) if prefix_cache and not stateless else None
         try:
@@ -122,7 +133,6 @@ class Engine:
         self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
-        self.limits = limits or Limits()
         decode = tokenizer.decode if tokenizer is not None else None
         self.sequences = Sequences(self.pool, policy, self.limits.max_sessions)
         # Speculation's draft source (spec.drafters): "suffix" trees over the

@@ -9,7 +9,8 @@ ragged forward writes the K/V and returns the logits.
 Everything a step hands the model (token ids, the logit rows, the attention
 metadata) is written into persistent buffers the runner keeps for its life
 (kernels.metadata.StepBuffers), so a step allocates no input tensor once they
-have grown to its size.
+have grown to its size. With graphs, decode and fixed-length verify steps run
+at fixed shapes instead, as CUDA graphs on a GPU (engine/decode_graphs.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import kernels
 from cache.block_table import BlockTable
 from cache.errors import KVCapacityError
 from cache.pool import PagePool
+from engine.decode_graphs import DecodeGraphs
 from kernels.metadata import PersistentBuffer, StepBuffers
 from model.llama import ForwardScratch, Transformer
 
@@ -34,9 +36,10 @@ class StepItem:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool: PagePool):
+    def __init__(self, model: Transformer, pool: PagePool, graphs: DecodeGraphs | None = None):
         self.model = model
         self.pool = pool
+        self.graphs = graphs
         device = model.device
         self.buffers = StepBuffers(pool.page_size, device)
         self._ids = PersistentBuffer(torch.int64, device)
@@ -73,6 +76,8 @@ class ModelRunner:
         return list(logits.split([it.num_logits for it in items]))
 
     def _forward(self, items: list[StepItem]) -> torch.Tensor:
+        if self.graphs is not None and (key := self.graphs.key(items)) is not None:
+            return self.graphs.forward(items, key)
         query_lens = [len(it.tokens) for it in items]
         meta = self.buffers.build(
             query_lens,

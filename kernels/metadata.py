@@ -35,6 +35,9 @@ class AttnMetadata:
     seq_lens_list: list[int]
     min_query_len: int
     max_query_len: int
+    # At least the longest seq_len, and used only as that bound (a split-K
+    # grid, "no window"): a fixed-shape step sets it from its bucket, so that
+    # it does not change from step to step (engine/decode_graphs.py).
     max_seq_len: int
     # The torch path's key blocks and masks by (sliding window, the query
     # count up to which another kernel runs a sequence; see
@@ -138,11 +141,27 @@ class StepBuffers:
     def allocations(self) -> int:
         return sum(b.allocations for b in (self._cu, self._seq_lens, self._slots, self._positions, self._tables))
 
-    def build(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> AttnMetadata:
-        """Checks the lists, then fills the buffers; bad input changes nothing."""
+    def reserve(self, seqs: int, pages: int, tokens: int) -> None:
+        """Size the buffers now for steps of up to seqs sequences, pages pages
+        each and tokens tokens in all, so that no such step grows (moves)
+        them: a captured CUDA graph reads the addresses it was captured with."""
+        for buf, rows in ((self._cu, seqs + 1), (self._seq_lens, seqs), (self._slots, tokens), (self._positions, tokens)):
+            buf.ensure(rows)
+        if self._tables.ensure(seqs, pages):
+            self._rows = []
+
+    def build(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], max_seq_len: int | None = None
+    ) -> AttnMetadata:
+        """Checks the lists, then fills the buffers; bad input changes nothing.
+        max_seq_len: the bound the metadata reports (see AttnMetadata), at
+        least the longest of seq_lens, which it is by default."""
         ps = self.page_size
         if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
             raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of one length")
+        longest = max(seq_lens)
+        if max_seq_len is not None and max_seq_len < longest:
+            raise ValueError(f"max_seq_len {max_seq_len} is below the longest sequence, {longest}")
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             if q_len < 1 or s_len < q_len:
                 raise ValueError(f"bad lengths: query_len={q_len}, seq_len={s_len}")
@@ -184,7 +203,7 @@ class StepBuffers:
             seq_lens_list=list(seq_lens),
             min_query_len=min(query_lens),
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_seq_len=longest if max_seq_len is None else max_seq_len,
         )
 
     def _fill_tables(self, block_tables: list[list[int]], width: int) -> None:

@@ -6,7 +6,12 @@
       ones, batch 1 and 32, bf16, Llama-3-8B heads (32 q, 8 kv, d 128),
       page size 16, random block tables;
   (c) microbenchmarks of rope_and_store, rmsnorm, copy_pages, verify_drafts
-      against their torch references.
+      against their torch references;
+  (d) decode ms per step on SmolLM2-135M's shape (bf16) at batch 1, 8 and 32,
+      eager and under CUDA graphs (engine/decode_graphs.py), with the graphs
+      captured and the Triton kernel variants compiled by each run;
+  (e) the engine end to end: greedy tokens against the CPU path, then
+      experiments.bench_session stateful vs stateless.
 
 Every section is guarded so one failure keeps the rest. Writes results.json
 and results.md (plus the pytest log) to --out.
@@ -70,7 +75,8 @@ def bench(fn: Callable[[], object]) -> dict:
 
 
 def run_tests(out: Path, timeout_s: int) -> dict:
-    cmd = [sys.executable, "-m", "pytest", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_kernel_*.py"))]
+    tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_kernel_*.py")) + ["tests/test_decode_graphs.py"]
+    cmd = [sys.executable, "-m", "pytest", *tests]
     cmd += ["-rfE", "-p", "no:cacheprovider", f"--junitxml={out / 'junit.xml'}"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "8"]  # compiling the test variants is the cost; spread it over cores
@@ -369,6 +375,76 @@ def run_engine(out: Path) -> dict:
     return result
 
 
+def compiled_variants() -> int | None:
+    """Kernel variants Triton has compiled so far in this process, over the
+    kernels of kernels/triton_*.py (None where this Triton keeps them where
+    this does not look)."""
+    import pkgutil
+
+    import triton
+    import kernels
+
+    total = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if not info.name.startswith("triton_"):
+            continue
+        module = importlib.import_module(f"kernels.{info.name}")
+        for fn in vars(module).values():
+            if not isinstance(fn, triton.runtime.jit.JITFunction):
+                continue
+            caches = getattr(fn, "device_caches", None)  # triton >= 3.2: device -> (kernels, ...)
+            if caches is not None:
+                total += sum(len(entry[0]) for entry in caches.values())
+            elif isinstance(getattr(fn, "cache", None), dict):
+                total += sum(len(v) for v in fn.cache.values())
+            else:
+                return None
+    return total
+
+
+def decode_rows(device: str = DEVICE, shape: str = "smollm2-135m", dtype=None, batches=(1, 8, 32),
+                prompt_len: int = 1024, steps: int = 64) -> list[dict]:
+    """Decode ms per step (one token for every sequence) after a prompt of
+    prompt_len tokens each, eager and with decode graphs, non-speculative."""
+    from engine import Engine
+    from experiments.common import random_model
+
+    dtype = dtype or torch.bfloat16
+    model = random_model(shape, dtype, seed=0, device=device)
+    rows = []
+    for graphs in (False, True):
+        for batch in batches:
+            before = compiled_variants() if device == "cuda" else None
+            engine = Engine(model, None, page_size=16, kv_cache_bytes=4 << 30, prefix_cache=False,
+                            decode_graphs=graphs)
+            sessions = [engine.session() for _ in range(batch)]
+            for i, s in enumerate(sessions):
+                s.append([(7 * i + j) % 1000 + 3 for j in range(prompt_len)])
+            timed = []
+            for _ in range(2):  # the first round compiles and captures
+                reqs = [s.start_generate(max_tokens=steps, ignore_eos=True, speculative=False) for s in sessions]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for r in reqs:
+                    engine.scheduler.wait(r)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                timed.append((time.perf_counter() - start) * 1e3 / steps)
+            g = engine.runner.graphs
+            after = compiled_variants() if device == "cuda" else None
+            rows.append({
+                "graphs": graphs, "batch": batch, "ms_per_step_first": timed[0], "ms_per_step": timed[1],
+                "tokens_per_s": batch * 1e3 / timed[1], "graphs_captured": g.captures if g else 0,
+                "graph_replays": g.replays if g else 0,
+                "triton_variants_compiled": None if before is None or after is None else after - before,
+            })
+            log(f"decode: {rows[-1]}")
+            for s in sessions:
+                s.close()
+    return rows
+
+
 def markdown(results: dict) -> str:
     lines = [f"# GPU check ({results.get('device', '?')})", ""]
     tests = results.get("tests", {})
@@ -416,6 +492,17 @@ def markdown(results: dict) -> str:
                 f"| {op} | {case} | {r['triton']['ms'] * 1e3:.1f} | {r['triton']['gbps']:.0f} | "
                 f"{r['torch']['ms'] * 1e3:.1f} | {r['speedup']:.2f} |"
             )
+    decode = results.get("decode")
+    if decode:
+        lines += ["", "## Decode (SmolLM2-135M shape, bf16, 1k-token prompts, 64 steps, second run)", ""]
+        if isinstance(decode, dict):
+            lines += ["```", str(decode.get("error")), "```"]
+        else:
+            lines += ["| graphs | batch | ms/step | first run ms/step | tok/s | graphs captured | replays | "
+                      "Triton variants compiled |", "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['graphs']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['ms_per_step_first']:.2f} | "
+                      f"{r['tokens_per_s']:.0f} | {r['graphs_captured']} | {r['graph_replays']} | "
+                      f"{r['triton_variants_compiled']} |" for r in decode]
     engine = results.get("engine", {})
     if engine:
         lines += ["", "## Engine on CUDA", ""]
@@ -455,6 +542,8 @@ def main() -> None:
     guarded(results, "attention", run_attention)
     save()
     guarded(results, "micro", run_micro)
+    save()
+    guarded(results, "decode", decode_rows)
     save()
     guarded(results, "engine", lambda: run_engine(out))
     save()
