@@ -71,11 +71,15 @@ class DecodeGraphs:
         self.capacity = self.width * ps
         self.buffers = StepBuffers(ps, device)
         self.buffers.reserve(self.max_batch, self.width, self.max_batch * MAX_QUERY)
+        rows = max(self.max_batch * MAX_QUERY, model.min_rows)
         self._ids = PersistentBuffer(torch.int64, device)
-        self._ids.ensure(self.max_batch * MAX_QUERY)
-        # Its own attention rows: an eager step growing the runner's must not
-        # move the rows a graph writes.
+        self._ids.ensure(rows)
+        # Its own attention rows, at their largest now: a graph keeps writing
+        # the rows it was captured with, so they must never be remade (as an
+        # eager step growing the runner's would remake those).
         self._scratch = ForwardScratch(pool.kv)
+        cfg = model.cfg
+        self._scratch.attention_rows(rows, rows, cfg.num_heads, cfg.head_dim, model.dtype)
         self._graphs: dict[Key, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._memory = torch.cuda.graph_pool_handle() if capture else None
         self.keys: set[Key] = set()  # every key run, captured or not
