@@ -3,14 +3,16 @@
 Each is compiled with torch.utils.cpp_extension for the CPU it runs on and
 cached under TORCH_EXTENSIONS_DIR (or ~/.cache/torch_extensions); a machine
 without a C++ compiler or ninja gets CpuKernelUnavailable, remembered so the
-build is tried once, and the caller falls back to its torch path.
+build is tried once, and the caller falls back to its torch path. Each
+wrapper (kernels/cpu_*.py) holds its Extension as `extension` and passes on
+its build_error (and available) as its own.
 """
 from __future__ import annotations
 
 import hashlib
 import subprocess
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -30,27 +32,56 @@ def cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def load(state: dict, name: str, source: Path, resolve: Callable[[], T], cflags: Sequence[str] = ()) -> T:
-    """Build and load `source` as extension `name` (once: the result, or the
-    error, is kept in the caller's `state`), then return resolve(), which
-    looks up what the extension registered (its torch.ops); cflags are added
-    to the common ones."""
-    if "op" in state:
-        return state["op"]
-    if "error" in state:
-        raise CpuKernelUnavailable(state["error"])
-    try:
-        from torch.utils.cpp_extension import load as build
+class Extension(Generic[T]):
+    """One C++ extension (kernels/cpu_*.cpp), built and loaded on its first
+    use. What it gives (resolve()'s lookup of what it registered, its
+    torch.ops or class) or the error that stopped its build is kept, so the
+    build is tried once per process."""
 
-        build(
-            name=f"{name}_{cpu_tag()}",
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-        state["op"] = resolve()
-    except (RuntimeError, OSError, ImportError, AttributeError, subprocess.CalledProcessError) as e:
-        state["error"] = f"building {source.name} failed (needs a C++ compiler and ninja): {e}"
-        raise CpuKernelUnavailable(state["error"]) from e
-    return state["op"]
+    def __init__(self, name: str, source: Path, resolve: Callable[[], T], cflags: Sequence[str] = ()) -> None:
+        self.name = name
+        self.source = source
+        self.resolve = resolve
+        self.cflags = tuple(cflags)  # added to the common ones
+        # Why the build failed ('' when it has not). Read before the loaded
+        # op, so that setting it stands for a machine without a compiler even
+        # where the extension is built (the tests of the fallbacks do).
+        self.error = ""
+        self._loaded: T | None = None
+
+    def load(self) -> T:
+        """What resolve looks up, building the extension on the first call;
+        CpuKernelUnavailable when it cannot be built."""
+        if self.error:
+            raise CpuKernelUnavailable(self.error)
+        if self._loaded is None:
+            self._loaded = self._build()
+        return self._loaded
+
+    def build_error(self) -> str:
+        """Why the extension is not available ('' when it is, or not tried yet)."""
+        return self.error
+
+    def available(self) -> bool:
+        """Whether the extension is built (building it on the first call)."""
+        try:
+            self.load()
+        except CpuKernelUnavailable:
+            return False
+        return True
+
+    def _build(self) -> T:
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            build(
+                name=f"{self.name}_{cpu_tag()}",
+                sources=[str(self.source)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *self.cflags],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
+            return self.resolve()
+        except (RuntimeError, OSError, ImportError, AttributeError, subprocess.CalledProcessError) as e:
+            self.error = f"building {self.source.name} failed (needs a C++ compiler and ninja): {e}"
+            raise CpuKernelUnavailable(self.error) from e

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_extension
-from kernels.cpu_extension import CpuKernelUnavailable
+from kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
 from kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -31,27 +31,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 # whose element-to-path split silu_mul follows), else AVX2's.
 VECTOR_BYTES = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 
-_build: dict[str, object] = {}
-
-
-def _ops():
-    return cpu_extension.load(
-        _build, "agentkv_cpu_fused", SOURCE, lambda: torch.ops.agentkv_cpu_fused, cflags=["-ffp-contract=off"]
-    )
-
-
-def build_error() -> str:
-    """Why the extension is not available ('' when it is, or not tried yet)."""
-    return str(_build.get("error", ""))
-
-
-def available() -> bool:
-    """Whether the extension is built (building it on the first call)."""
-    try:
-        _ops()
-    except CpuKernelUnavailable:
-        return False
-    return True
+extension = cpu_extension.Extension(
+    "agentkv_cpu_fused", SOURCE, lambda: torch.ops.agentkv_cpu_fused, cflags=["-ffp-contract=off"]
+)
+build_error, available = extension.build_error, extension.available
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -65,7 +48,7 @@ def rmsnorm(
     """reference.rmsnorm: with a residual, h = x + residual and (weight * h /
     rms(h), h); without, (weight * x / rms(x), x). x, residual and weight
     contiguous, of one dtype (ValueError otherwise)."""
-    ops = _ops()
+    ops = extension.load()
     if residual is None:
         return ops.rmsnorm(x, weight, eps), x
     return ops.add_rmsnorm(x, residual, weight, eps)
@@ -74,7 +57,7 @@ def rmsnorm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """reference.silu_mul: silu(gate) * up for rows [gate | up] [T, 2 * n]
     with contiguous rows."""
-    return _ops().silu_mul(gate_up, VECTOR_BYTES)
+    return extension.load().silu_mul(gate_up, VECTOR_BYTES)
 
 
 def rope_and_store(
@@ -91,5 +74,5 @@ def rope_and_store(
     rows are the caller's (a forward's fresh qkv projection), and a copy
     would cost an op a layer. k and v are left as they are. Any strides; a
     position or slot out of range raises IndexError before anything is written."""
-    _ops().rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.positions, meta.slot_mapping)
+    extension.load().rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.positions, meta.slot_mapping)
     return q

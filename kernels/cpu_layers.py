@@ -25,31 +25,13 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_extension, cpu_fused_ops, cpu_paged_attention
-from kernels.cpu_extension import CpuKernelUnavailable
 from kernels.cpu_linear import PackedLinear
 from kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
-_build: dict[str, object] = {}
-
-
-def _layers_class():
-    return cpu_extension.load(_build, "agentkv_cpu_layers", SOURCE, lambda: torch.classes.agentkv_cpu_layers.Layers)
-
-
-def build_error() -> str:
-    """Why the extension is not available ('' when it is, or not tried yet)."""
-    return str(_build.get("error", ""))
-
-
-def available() -> bool:
-    """Whether the extension is built (building it on the first call)."""
-    try:
-        _layers_class()
-    except CpuKernelUnavailable:
-        return False
-    return True
+extension = cpu_extension.Extension("agentkv_cpu_layers", SOURCE, lambda: torch.classes.agentkv_cpu_layers.Layers)
+build_error, available = extension.build_error, extension.available
 
 
 @dataclass(frozen=True)
@@ -88,7 +70,7 @@ def make(
     extension's op is missing or changed) before anything is kept."""
     if len(layers) != len(caches) or not layers:
         raise ValueError(f"one (K, V) pair per layer: {len(layers)} layers, {len(caches)} caches")
-    loop = _layers_class()(
+    loop = extension.load()(
         num_heads, num_kv_heads, head_dim, eps, head_dim**-0.5, cos, sin, final_norm, lm_head.data,
         lm_head.out_features, cpu_fused_ops.VECTOR_BYTES,
     )

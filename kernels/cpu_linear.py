@@ -25,23 +25,15 @@ from kernels.cpu_extension import CpuKernelUnavailable
 SOURCE = Path(__file__).with_suffix(".cpp")
 BLOCK = 16  # outputs per packed block (kernels/cpu_linear.cpp's kBlock)
 
-_build: dict[str, object] = {}
-
-
-def _ops():
-    return cpu_extension.load(_build, "agentkv_cpu_linear", SOURCE, lambda: torch.ops.agentkv_cpu_linear)
-
-
-def build_error() -> str:
-    """Why the extension is not available ('' when it is, or not tried yet)."""
-    return str(_build.get("error", ""))
+extension = cpu_extension.Extension("agentkv_cpu_linear", SOURCE, lambda: torch.ops.agentkv_cpu_linear)
+build_error = extension.build_error
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes the kernel runs on this CPU (building it on the first
     call); () when it cannot be built."""
     try:
-        return tuple(getattr(torch, name) for name in _ops().dtypes())
+        return tuple(getattr(torch, name) for name in extension.load().dtypes())
     except CpuKernelUnavailable:
         return ()
 
@@ -81,4 +73,4 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         )
     if x.stride(1) != 1:
         x = x.contiguous()
-    return _ops().linear(x, packed.data, bias, packed.out_features)
+    return extension.load().linear(x, packed.data, bias, packed.out_features)

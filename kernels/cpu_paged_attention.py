@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_extension, reference
-from kernels.cpu_extension import CpuKernelUnavailable
+from kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
 from kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -44,28 +44,8 @@ SPLIT = 512
 
 DTYPES = (torch.float32, torch.bfloat16)
 
-
-_build: dict[str, object] = {}
-
-
-def _op():
-    return cpu_extension.load(
-        _build, "agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few
-    )
-
-
-def build_error() -> str:
-    """Why the extension is not available ('' when it is, or not tried yet)."""
-    return str(_build.get("error", ""))
-
-
-def available() -> bool:
-    """Whether the extension is built (building it on the first call)."""
-    try:
-        _op()
-    except CpuKernelUnavailable:
-        return False
-    return True
+extension = cpu_extension.Extension("agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few)
+build_error, available = extension.build_error, extension.available
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -103,7 +83,7 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype)
     limit = MAX_QUERIES[q.dtype]
     if meta.min_query_len <= limit:
-        _op()(
+        extension.load()(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             scale, sliding_window, limit, SPLIT, out,
         )

@@ -45,7 +45,7 @@ def test_select_chooses_what_the_dispatchers_run(dtype, monkeypatch):
 
 def test_select_follows_a_failed_build(monkeypatch):
     pool = PagePool(1, 2, 64, 4, PS, torch.float32, "cpu")
-    monkeypatch.setattr(cpu_paged_attention, "_build", {"error": "no g++ here"})
+    monkeypatch.setattr(cpu_paged_attention.extension, "error", "no g++ here")
     monkeypatch.setattr(kernels, "_warned", [])
     with pytest.warns(RuntimeWarning, match="no g"):
         chosen = kernels.select(torch.zeros(1, 8), pool.kv[0, 0])

@@ -138,7 +138,7 @@ def test_weights_written_in_place_are_seen(monkeypatch):
 def test_a_failed_build_keeps_the_python_loop_with_one_warning(monkeypatch):
     model = model_of("llama", torch.float32)
     steps = Steps(model, 2)
-    monkeypatch.setattr(cpu_layers, "_build", {"error": "no g++ here"})
+    monkeypatch.setattr(cpu_layers.extension, "error", "no g++ here")
     monkeypatch.setattr(kernels, "_warned_layers", [])
     x, k_cache = torch.zeros(1), steps.kv[0, 0]
     with pytest.warns(RuntimeWarning, match="no g\\+\\+ here"):

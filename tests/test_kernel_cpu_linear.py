@@ -144,7 +144,7 @@ def test_packed_weights_repack_when_a_weight_changes(dtype):
 
 
 def test_a_failed_build_falls_back_to_onednn_with_one_warning(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_build", {"error": "building cpu_linear.cpp failed: no g++"})
+    monkeypatch.setattr(cpu_linear.extension, "error", "building cpu_linear.cpp failed: no g++")
     monkeypatch.setattr(packed_linear, "_warned", [])
     cpu = torch.device("cpu")
     with pytest.warns(RuntimeWarning, match="no g\\+\\+"):

@@ -162,7 +162,7 @@ def test_dispatch_runs_the_kernel_on_cpu_and_env_forces_the_reference(monkeypatc
 
 
 def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch):
-    monkeypatch.setattr(cpu_paged_attention, "_build", {"error": "building cpu_paged_attention.cpp failed: no g++"})
+    monkeypatch.setattr(cpu_paged_attention.extension, "error", "building cpu_paged_attention.cpp failed: no g++")
     monkeypatch.setattr(kernels, "_warned", [])
     q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
     with pytest.warns(RuntimeWarning, match="no g\\+\\+"):

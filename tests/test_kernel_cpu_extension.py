@@ -1,0 +1,58 @@
+"""kernels.cpu_extension.Extension, the build-once holder every C++ wrapper
+uses, with torch's builder replaced by a recorder (nothing is compiled)."""
+from pathlib import Path
+
+import pytest
+import torch.utils.cpp_extension
+
+from kernels.cpu_extension import CpuKernelUnavailable, Extension, cpu_tag
+
+
+def _recording_builder(monkeypatch, error: Exception | None = None) -> list[dict]:
+    calls: list[dict] = []
+
+    def build(**kwargs):
+        calls.append(kwargs)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    return calls
+
+
+def test_a_build_runs_once_and_its_lookup_is_kept(monkeypatch):
+    calls = _recording_builder(monkeypatch)
+    found = object()
+    lookups = []
+    ext = Extension("agentkv_test", Path("/src/test_op.cpp"), lambda: lookups.append(1) or found, cflags=["-DX"])
+    assert ext.build_error() == ""
+    assert ext.load() is found and ext.load() is found and ext.available()
+    assert len(calls) == 1 and len(lookups) == 1
+    assert calls[0]["name"] == f"agentkv_test_{cpu_tag()}"
+    assert calls[0]["sources"] == ["/src/test_op.cpp"]
+    assert calls[0]["extra_cflags"][-1] == "-DX" and "-march=native" in calls[0]["extra_cflags"]
+    assert ext.build_error() == ""
+
+
+@pytest.mark.parametrize("error", [OSError("no g++"), RuntimeError("ninja is required"), AttributeError("no op")])
+def test_a_failed_build_is_tried_once_and_its_error_kept(monkeypatch, error):
+    calls = _recording_builder(monkeypatch, error)
+    ext = Extension("agentkv_test", Path("/src/test_op.cpp"), lambda: None)
+    with pytest.raises(CpuKernelUnavailable, match="building test_op.cpp failed") as raised:
+        ext.load()
+    assert raised.value.__cause__ is error
+    assert not ext.available()
+    with pytest.raises(CpuKernelUnavailable, match=str(error)):
+        ext.load()
+    assert len(calls) == 1
+    assert str(error) in ext.build_error() and "needs a C++ compiler and ninja" in ext.build_error()
+
+
+def test_a_set_error_stands_for_a_failed_build_even_after_a_load(monkeypatch):
+    _recording_builder(monkeypatch)
+    ext = Extension("agentkv_test", Path("/src/test_op.cpp"), lambda: "op")
+    assert ext.load() == "op"
+    monkeypatch.setattr(ext, "error", "no g++ here")
+    assert not ext.available() and ext.build_error() == "no g++ here"
+    with pytest.raises(CpuKernelUnavailable, match="no g\\+\\+ here"):
+        ext.load()
