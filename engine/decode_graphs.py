@@ -127,34 +127,38 @@ class DecodeGraphs:
             return run()[:n]
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._record(key, run)
-            if graph is None:
-                return run()[:n]
+            return self._record(key, run)[:n]
         graph[0].replay()
         self.replays += 1
         # The output is the graph's, rewritten by its next replay; callers keep logits.
         return graph[1][:n].clone()
 
-    def _record(self, key: Key, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """Capture run's kernels for key. The warm-up computes the step itself
-        (it compiles what the kernels need; its K/V writes are the ones the
-        replay repeats). A capture that fails turns capture off, with one
-        warning: the fixed-shape forwards then run eagerly."""
+    def _record(self, key: Key, run) -> torch.Tensor:
+        """Capture run's kernels for key and return the step's logits. The
+        warm-up computes the step eagerly (and compiles what the kernels
+        need; its K/V writes are the ones the replay repeats); the first
+        replay must give its logits. A capture that fails or disagrees turns
+        capture off, with one warning: fixed-shape steps then run eagerly."""
         device = self.pool.kv.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            run()
+            eager = run().clone()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._memory):
                 out = run()
+            graph.replay()
+            if not torch.allclose(out, eager, atol=1e-3, rtol=1e-3):
+                raise RuntimeError(f"the replay's logits differ from the eager step's by up to "
+                                   f"{(out - eager).abs().max().item():.3g}")
         except RuntimeError as e:
-            log.warning("CUDA graph capture failed, fixed-shape steps run eagerly from now on: %s", e)
+            log.warning("CUDA graphs off, fixed-shape steps run eagerly from now on: capture of %s: %s", key, e)
             self.capture = False
             self._graphs.clear()
-            return None
+            return eager
         self._graphs[key] = graph, out
         self.captures += 1
-        return graph, out
+        self.replays += 1
+        return out.clone()
