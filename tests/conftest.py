@@ -21,6 +21,21 @@ import pytest  # noqa: E402
 from cache.pool import PagePool  # noqa: E402
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Moves what importing the tests made (torch, transformers, ... some 700k
+    objects) out of the collector's sight: page_accounting's gc.collect()
+    after every test then walks only what tests made since, not 0.4 s of
+    modules that live until exit. What the tests make is collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Frozen objects are never freed otherwise, and extensions that count
+    # their instances (triton's nanobind) report them as leaks at exit.
+    gc.unfreeze()
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -24,6 +24,7 @@ def result(tmp_path_factory):
         "--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", ",".join(map(str, CONTEXTS)),
         "--systems", "ours", "--decode-tokens", str(TOKENS), "--repeats", str(REPEATS), "--out", str(out),
         "--no-wandb", "--max-foreign", "1000",  # the shared machine's other work does not hold up the test
+        "--gap", "0",  # one system: no other system's spinning threads to wait out before a request
     ])
     return out, res
 
@@ -73,7 +74,7 @@ def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp, "LLAMACPP_VENV", tmp_path / "no-llamacpp")
     res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
                              "--systems", "ours,vllm,llamacpp", "--decode-tokens", "3", "--repeats", "1",
-                             "--max-foreign", "1000",
+                             "--max-foreign", "1000", "--gap", "0",
                              "--out", str(tmp_path / "out"), "--no-wandb"])
     assert "setup_vllm.sh" in res["skipped"]["vllm"] and "setup_llamacpp.sh" in res["skipped"]["llamacpp"]
     assert set(res["rows"][0]["systems"]) == {"ours"}
@@ -116,7 +117,7 @@ def test_grouped_schedule_times_each_system_back_to_back(tmp_path):
     caller_threads = torch.get_num_threads()
     res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
                              "--systems", "ours", "--decode-tokens", "3", "--repeats", "2", "--schedule", "grouped",
-                             "--settle", "0.5", "--retries", "1", "--prefill-threads", "2",
+                             "--settle", "0.5", "--retries", "1", "--prefill-threads", "2", "--gap", "0",
                              "--out", str(tmp_path / "out"), "--no-wandb"])
     assert res["schedule"] == "grouped"
     ours = res["rows"][0]["systems"]["ours"]
@@ -141,7 +142,7 @@ def test_pin_puts_every_timed_request_on_the_given_vcpu_and_the_prefill_on_all(t
     pin = max(every)
     res = bench_decode.main(["--shape", "tiny", "--dtypes", "float32", "--threads", "1", "--contexts", "32",
                              "--systems", "ours", "--decode-tokens", "3", "--repeats", "2", "--pin", str(pin),
-                             "--prefill-threads", "2", "--max-foreign", "1000",
+                             "--prefill-threads", "2", "--max-foreign", "1000", "--gap", "0",
                              "--out", str(tmp_path / "out"), "--no-wandb"])
     # seen[0] is start_systems' warm-up, seen[1] the prefill (2 threads: every vCPU), then the timed ones.
     assert seen[1] == every and seen[2:] == [{pin}, {pin}]

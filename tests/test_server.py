@@ -252,14 +252,21 @@ def test_disconnect_mid_stream_leaks_nothing(server, monkeypatch):
     bystander_alone = chat(client, USER, seed=5, temperature=0.9, max_tokens=16)
     body = {"model": MODEL, "messages": USER, "stream": True, "max_tokens": 300, "temperature": 1.0, "seed": 1,
             "session_id": "dropped", "ignore_eos": True}
-    # The scheduler's loop is held between steps (holding no lock) before the
-    # request is sent, so no step runs until the stream is closed: a race
-    # against the role chunk was lost once the step got fast enough to
-    # finish all 300 tokens first.
+    # Once the request runs, the scheduler's loop is held after each step
+    # (holding no lock), so no step runs between its first (which sends the
+    # response's head and role chunk) and the stream's close: a race against
+    # the role chunk was lost once the step got fast enough to finish all 300
+    # tokens first. (Held before its first step, the response never starts.)
     sched = server.engine.scheduler
-    parked, gate, step = threading.Event(), threading.Event(), sched.step
-    monkeypatch.setattr(sched, "step", lambda: (parked.set(), gate.wait(60), step())[2])
-    assert parked.wait(10)
+    gate, step = threading.Event(), sched.step
+
+    def step_then_hold() -> bool:
+        busy = step()
+        if sched.running:
+            gate.wait(60)
+        return busy
+
+    monkeypatch.setattr(sched, "step", step_then_hold)
     with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -469,8 +476,11 @@ def test_disconnect_without_streaming_cancels(server):
         with server.http() as http:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/chat/completions", json=body, timeout=1.0)  # the client gives up, closing the connection
+        (req,) = sched.running + sched.waiting
+        # The server marks it cancelled now; the scheduler counts it at the
+        # start of the step after the held one.
         for _ in range(500):
-            if sched.counters.cancelled > cancelled:
+            if req.cancelled:
                 break
             time.sleep(0.01)
     finally:
