@@ -29,11 +29,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 constexpr int kLanes = 16;  // keys per tile: one score vector per row
-// Keys prefetched ahead: about 12 KB of K and V, in whole tiles (fp32 head of
-// 64: one tile, bf16: three). Further ahead measured slower on this CPU, one
-// tile too short for bf16 (docs/bench_cpu_attention.md, rounds 4 and 5).
-template <int64_t KeyBytes>  // of one key's K (or V)
-constexpr int64_t kPrefetchKeys = std::max<int64_t>(1, 12 * 1024 / (2 * KeyBytes) / kLanes) * kLanes;
+constexpr int64_t kPrefetchKeys = 2 * kLanes;  // 4 and 8 tiles ahead measured slower (round 4)
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -147,16 +143,12 @@ struct TileMask {
 // round 4).
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
 
-// With nothing ahead it points at the tile being read, stride 0 (prefetches
-// of lines in L1), so that a key's step holds no branch: with one, GCC kept
-// the rows' outputs in memory, a store per output vector and key. Without it,
-// the tile loops unrolled and the rescale done in the accumulator (neither
-// helps alone), a key costs 1.3-1.5x less in cache (round 5).
 template <int64_t Bytes>  // of one key
 struct Ahead {
-  const char *k, *v;
-  int64_t k_stride, v_stride;  // bytes between keys
+  const char *k = nullptr, *v = nullptr;
+  int64_t k_stride = 0, v_stride = 0;  // bytes between keys
   static void key(const char* base, int64_t stride, int i) {
+    if (base == nullptr) return;
     for (int64_t b = 0; b < Bytes; b += 64) prefetch_line(base + i * stride + b);
   }
   void k_key(int i) const { key(k, k_stride, i); }
@@ -169,10 +161,8 @@ struct Ahead {
 template <int RB, typename Dot>
 inline void tile_scores(v16f (&s)[RB], Dot dot) {
   v16f l2[RB][4];
-#pragma GCC unroll 4
   for (int quad = 0; quad < 4; ++quad) {
     v16f l1[RB][2];
-#pragma GCC unroll 2
     for (int pair = 0; pair < 2; ++pair) {
       v16f d0[RB], d1[RB];
       dot(4 * quad + 2 * pair, d0);
@@ -185,8 +175,7 @@ inline void tile_scores(v16f (&s)[RB], Dot dot) {
 }
 
 // The online-softmax update of one row by its tile of scores s: hides the
-// masked lanes, rescales the row's outputs o (in the split's accumulator, not
-// the caller's registers, so that those stay registers) and sum l when its max m grows,
+// masked lanes, rescales the row's outputs o and sum l when its max m grows,
 // and returns exp(s - m) (all 0 when the row sees none of the tile).
 template <int NV>
 inline v16f tile_softmax(v16f s, int64_t row, const TileMask& mask, float& m, float& l, v16f* o) {
@@ -231,11 +220,10 @@ inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v1
   v16f p[RB], o[RB][NV];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
-    p[r] = tile_softmax<NV>(s[r], row, mask, m[row], l[row], a + row * NV);
-    l[row] += hsum(p[r]);
     for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
+    p[r] = tile_softmax<NV>(s[r], row, mask, m[row], l[row], o[r]);
+    l[row] += hsum(p[r]);
   }
-#pragma GCC unroll 16
   for (int i = 0; i < kLanes; ++i) {
     v16f vv[NV];
     for (int w = 0; w < NV; ++w) vv[w] = load16(vp[i] + w * kLanes);
@@ -287,13 +275,12 @@ inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uin
   v16f o[RB][NV];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
-    const v16f p = tile_softmax<NV>(s[r] * scale, row, mask, m[row], l[row], a + row * NV);
     for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
+    const v16f p = tile_softmax<NV>(s[r] * scale, row, mask, m[row], l[row], o[r]);
     const __m256i pb = (__m256i)_mm512_cvtneps_pbh((__m512)p);
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), pb);
     l[row] += hsum((v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
   }
-#pragma GCC unroll 8
   for (int i = 0; i < kLanes / 2; ++i) {
     __m512bh pp[RB];
     for (int r = 0; r < RB; ++r) pp[r] = (__m512bh)_mm512_set1_epi32(int32_t(pairs[r][i]));
@@ -383,8 +370,8 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
     }
     // The tile kPrefetchKeys ahead, so that its reads overlap this math: the
     // loads stalled on memory without it.
-    Prefetch ahead{reinterpret_cast<const char*>(kp[0]), reinterpret_cast<const char*>(vp[0]), 0, 0};
-    const int64_t next = start + kPrefetchKeys<D * sizeof(T)>;
+    Prefetch ahead;
+    const int64_t next = start + kPrefetchKeys;
     if (one_page && next < s_len) {
       const int64_t page = table[next / page_size], slot = next % page_size;
       ahead = {reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot),
