@@ -12,12 +12,15 @@ Memory read: torch's sum over a 1 GiB fp32 buffer, same threads, twice: on
 4 KB pages (torch's allocator) and placed as the pool is (2 MB pages where
 the OS gives them); "cpp / read" is against the latter, like against like.
 
+--baseline REV adds the kernel as it was at git revision REV ("base"),
+built beside today's and timed alternately with it in the same run.
+
 Decode: a random-init --shape model and the embedded models/agent-8m, one
 session grown to each --decode-contexts length, --decode-tokens single-token
 steps timed, old and new paths alternating per repeat.
 
     python -m experiments.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
-        [--dtypes float32,bfloat16] [--queries 1] [--repeats 7]
+        [--dtypes float32,bfloat16] [--queries 1] [--repeats 7] [--baseline REV]
         [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode] [--skip-attention]
 
 Writes runs/bench_cpu_attention-<time>/{results.json, report.txt}.
@@ -26,8 +29,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -36,7 +44,7 @@ from cache import hugepages
 from cache.pool import PagePool
 from experiments.common import SHAPES, machine, median, run_dir
 from experiments.report import table, write_json
-from kernels import cpu_paged_attention, reference
+from kernels import cpu_extension, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 from model.config import ModelConfig
 
@@ -57,6 +65,35 @@ def read_bandwidth(repeats: int, huge_pages: bool = False) -> float:
         buf.sum()
         times.append(time.perf_counter() - t)
     return buf.numel() * 4 / median(times) / 1e9
+
+
+def kernel_variant(source: str) -> Callable:
+    """cpu_paged_attention.paged_attention's decode path on another version of
+    its C++ source (the text of a kernels/cpu_paged_attention.cpp), built as
+    an extension of its own (op namespace renamed), so that old and new
+    kernels run side by side in one process."""
+    tag = hashlib.sha1(source.encode()).hexdigest()[:10]
+    ns = f"agentkv_variant_{tag}"
+    renamed = source.replace("TORCH_LIBRARY(agentkv_cpu,", f"TORCH_LIBRARY({ns},")
+    if renamed == source:
+        raise ValueError("the source registers no TORCH_LIBRARY(agentkv_cpu, ...)")
+    path = Path(tempfile.gettempdir()) / f"{ns}.cpp"
+    path.write_text(renamed)
+    op = cpu_extension.load({}, ns, path, lambda: getattr(torch.ops, ns).paged_attention_few)
+
+    def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0):
+        out = torch.empty(q.shape, dtype=q.dtype)
+        op(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, sliding_window,
+           cpu_paged_attention.MAX_QUERIES[q.dtype], cpu_paged_attention.SPLIT, out)
+        return out
+
+    return paged_attention
+
+
+def source_at(rev: str) -> str:
+    """kernels/cpu_paged_attention.cpp at git revision rev."""
+    return subprocess.run(["git", "show", f"{rev}:kernels/cpu_paged_attention.cpp"], capture_output=True, text=True,
+                          check=True).stdout
 
 
 def attention_case(cfg: ModelConfig, dtype: torch.dtype, context: int, num_q: int, layers: int, page_size: int,
@@ -83,6 +120,9 @@ def bench_attention(args) -> list[dict]:
     cfg = ModelConfig.from_hf(SHAPES[args.shape])
     gen = torch.Generator().manual_seed(0)
     scale = cfg.head_dim**-0.5
+    paths = dict(PATHS)
+    if args.baseline:
+        paths["base"] = kernel_variant(source_at(args.baseline))
     rows = []
     cases = [(d, c, n) for d in args.dtypes.split(",") for c in args.contexts for n in args.threads]
     for dtype_name, context, threads in tqdm(cases, desc="attention"):
@@ -93,15 +133,16 @@ def bench_attention(args) -> list[dict]:
         kv_bytes = args.layers * 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         mem_small = read_bandwidth(args.repeats)
         mem = read_bandwidth(args.repeats, huge_pages=True)
-        times = {p: [] for p in PATHS}
-        for impl in PATHS.values():
+        times = {p: [] for p in paths}
+        for impl in paths.values():
             time_attention(impl, pool, meta, q, scale)  # warm-up (and the first build of the extension)
         for _ in range(args.repeats):
-            for p, impl in PATHS.items():
+            for p, impl in paths.items():
                 times[p].append(time_attention(impl, pool, meta, q, scale))
+        mem = median([mem, read_bandwidth(args.repeats, huge_pages=True)])  # before and after the timings
         row = {"dtype": dtype_name, "context": context, "threads": threads, "read_GBps": mem, "read_4k_GBps": mem_small,
                "kv_MB": kv_bytes / 1e6}
-        for p in PATHS:
+        for p in paths:
             t = median(times[p])
             row[f"{p}_ms"] = t * 1e3
             row[f"{p}_GBps"] = kv_bytes / t / 1e9
@@ -190,6 +231,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=16)
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--kv-gb", type=int, default=2)
+    p.add_argument("--baseline", default="", help="git revision whose kernel runs beside today's")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-attention", action="store_true")
     args = p.parse_args()
@@ -200,11 +242,13 @@ def main() -> None:
         raise SystemExit(f"the C++ kernel is not available: {cpu_paged_attention.build_error()}")
     out = run_dir("bench_cpu_attention")
     res = {"args": vars(args), "machine": machine(), "attention": [] if args.skip_attention else bench_attention(args)}
+    base = ["base ms", "base / read"] if args.baseline else []
     text = table(
         ["dtype", "context", "threads", "K/V MB", "read 4K GB/s", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
-         "cpp / read"],
+         "cpp / read", *base],
         [[r["dtype"], r["context"], r["threads"], r["kv_MB"], r["read_4k_GBps"], r["read_GBps"], r["torch_ms"], r["torch_GBps"],
-          r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}"] for r in res["attention"]],
+          r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}"]
+         + ([r["base_ms"], f"{r['base_GBps'] / r['read_GBps']:.2f}"] if args.baseline else []) for r in res["attention"]],
     )
     print(text)
     if not args.skip_decode:
