@@ -88,13 +88,14 @@ class Engine:
             )
         self.pool = PagePool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, model.dtype, model.device)
         self.limits = limits or Limits()
+        self.max_context = cfg.max_position_embeddings
         # Decode and fixed-length verify steps at fixed shapes (engine/decode_graphs.py):
         # None, on a CUDA device, as CUDA graphs; True, elsewhere too, run
         # eagerly (how the CPU tests run that path); False, every step eager
         # (vLLM's --enforce-eager).
         if decode_graphs is None:
             decode_graphs = model.device.type == "cuda"
-        graphs = DecodeGraphs(model, self.pool, cfg.max_position_embeddings,
+        graphs = DecodeGraphs(model, self.pool, self.max_context,
                               min(MAX_BATCH, self.limits.max_num_seqs)) if decode_graphs else None
         self.runner = ModelRunner(model, self.pool, graphs)
         self.stateless = stateless
@@ -130,7 +131,6 @@ class Engine:
         # After a native turn ends on tool calls, hold the template's opening
         # of their results for the scheduler to compute while idle.
         self.preposition = preposition
-        self.max_context = cfg.max_position_embeddings
         tokenizer_eos = tokenizer.eos_token_ids if tokenizer is not None else []
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(tokenizer_eos))
         decode = tokenizer.decode if tokenizer is not None else None
