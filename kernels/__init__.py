@@ -15,6 +15,7 @@ a step rather than at every op of every layer.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
@@ -23,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_fused_ops, cpu_layers, cpu_paged_attention, reference
+from kernels import cpu_chunk_attention, cpu_fused_ops, cpu_layers, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 
 __all__ = [
@@ -47,6 +48,7 @@ def use_triton(t: torch.Tensor) -> bool:
 _warned: list[str] = []
 _warned_fused: list[str] = []
 _warned_layers: list[str] = []
+_warned_chunks: list[str] = []
 
 
 def _built(extension, warned: list[str], fallback: str) -> bool:
@@ -93,10 +95,21 @@ def _rope_impl(q: torch.Tensor, triton: bool) -> Callable:
     return cpu_fused_ops.rope_and_store if _use_cpu_fused(q) else reference.rope_and_store
 
 
+# The decode/verify kernel with the chunk kernel for the longer sequences of a
+# step (the torch reference takes them where the chunk kernel does not build).
+_cpu_attention_with_chunks = functools.partial(
+    cpu_paged_attention.paged_attention, chunks=cpu_chunk_attention.chunk_attention_into
+)
+
+
 def _attention_impl(q: torch.Tensor, k_cache: torch.Tensor, triton: bool) -> Callable:
     if triton:
         return _triton("paged_attention", "paged_attention")
     if _use_cpu_attention(q, k_cache):
+        if cpu_chunk_attention.supports(q, k_cache) and _built(
+            cpu_chunk_attention, _warned_chunks, "Prompt chunks' attention runs the slower torch reference"
+        ):
+            return _cpu_attention_with_chunks
         return cpu_paged_attention.paged_attention
     return reference.paged_attention
 
@@ -128,7 +141,8 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
     # The build's state is part of the key: a build that fails (or is made
     # to fail, as tests do) changes the choice from the next forward on.
     key = (mode, x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
-           cpu_paged_attention.build_error(), cpu_fused_ops.build_error(), cpu_layers.build_error())
+           cpu_paged_attention.build_error(), cpu_chunk_attention.build_error(), cpu_fused_ops.build_error(),
+           cpu_layers.build_error())
     chosen = _selected.get(key)
     if chosen is None:
         triton = mode == "triton" or (mode == "auto" and x.is_cuda)
@@ -147,7 +161,7 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
         in_cpp = (
             impls["rmsnorm"] is cpu_fused_ops.rmsnorm and impls["rope_and_store"] is cpu_fused_ops.rope_and_store
             and impls["silu_mul"] is cpu_fused_ops.silu_mul
-            and impls["paged_attention"] is cpu_paged_attention.paged_attention
+            and impls["paged_attention"] in (cpu_paged_attention.paged_attention, _cpu_attention_with_chunks)
         )
         chosen = StepKernels(**impls, layer_loop=in_cpp and _use_cpu_layers())
         _selected[key] = chosen

@@ -16,6 +16,9 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 
+# What the two attention kernels share (vectors, exp, argument checks).
+ATTENTION_HEADER = Path(__file__).with_name("cpu_attention.h")
+
 
 class CpuKernelUnavailable(RuntimeError):
     """A C++ CPU extension could not be built or loaded here."""
@@ -38,11 +41,16 @@ class Extension(Generic[T]):
     torch.ops or class) or the error that stopped its build is kept, so the
     build is tried once per process."""
 
-    def __init__(self, name: str, source: Path, resolve: Callable[[], T], cflags: Sequence[str] = ()) -> None:
+    def __init__(
+        self, name: str, source: Path, resolve: Callable[[], T], cflags: Sequence[str] = (), headers: Sequence[Path] = ()
+    ) -> None:
         self.name = name
         self.source = source
         self.resolve = resolve
         self.cflags = tuple(cflags)  # added to the common ones
+        # Headers the source includes (beside it). torch rebuilds when a
+        # source changes but not a header, so their text is in build_name.
+        self.headers = tuple(headers)
         # Why the build failed ('' when it has not). Read before the loaded
         # op, so that setting it stands for a machine without a compiler even
         # where the extension is built (the tests of the fallbacks do).
@@ -70,12 +78,20 @@ class Extension(Generic[T]):
             return False
         return True
 
+    def build_name(self) -> str:
+        """The name torch builds and caches the extension under: per CPU
+        feature set (cpu_tag) and, with headers, per their contents."""
+        name = f"{self.name}_{cpu_tag()}"
+        if self.headers:
+            name += "_" + hashlib.sha1(b"".join(h.read_bytes() for h in self.headers)).hexdigest()[:10]
+        return name
+
     def _build(self) -> T:
         try:
             from torch.utils.cpp_extension import load as build
 
             build(
-                name=f"{self.name}_{cpu_tag()}",
+                name=self.build_name(),
                 sources=[str(self.source)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", *self.cflags],
                 extra_ldflags=["-fopenmp"],

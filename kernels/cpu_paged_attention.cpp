@@ -10,54 +10,20 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention.h"
+
 namespace {
 
-// GCC vector extensions: one 16-lane fp32 vector, AVX512 registers where the
-// CPU has them (compiled with -march=native), pairs of AVX2 ones elsewhere.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-constexpr int kLanes = 16;  // keys per tile: one score vector per row
+using namespace agentkv;
+
 constexpr int64_t kPrefetchKeys = 2 * kLanes;  // 4 and 8 tiles ahead measured slower (round 4)
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline v16f splat(float x) { return v16f{} + x; }
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline v16f load16(const uint16_t* p) {  // bf16 is the top half of an fp32
-#ifdef __AVX512F__
-  // GCC lowers the generic widening to two 256-bit halves and an insert,
-  // which made the bf16 kernel half as fast as the fp32 one.
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return (v16f)_mm512_slli_epi32(wide, 16);
-#else
-  v16h h;
-  std::memcpy(&h, p, sizeof h);
-  return (v16f)(__builtin_convertvector(h, v16u) << 16);
-#endif
-}
-
-inline void store(float* dst, float x) { *dst = x; }
-inline void store(uint16_t* dst, float x) {
-  c10::BFloat16 b(x);  // round to nearest even, as torch's .to(bfloat16)
-  std::memcpy(dst, &b, 2);
-}
 
 inline float hmax(v16f v) {
   v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -100,28 +66,7 @@ inline v16f fold34(v16f a, v16f b) {
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
 
-// exp(x) for x <= 0 (scores minus their running max), 0 below -87: 2^(x log2 e)
-// split into 2^n 2^f with |f| <= 1/2 and 2^f by its Taylor series to degree 7
-// (relative error < 1e-8 before rounding). libm's expf does not vectorize.
-inline v16f exp_nonpositive(v16f x) {
-  const v16i underflow = x < -87.0f;
-  x = underflow ? splat(-87.0f) : x;  // -inf included: keeps the int conversion defined
-  const v16f t = x * 1.44269504088896341f;
-  const v16f r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-  const v16f f = (t - r) * 0.69314718055994531f;
-  const v16f p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f +
-                 f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
-  const v16f scale = (v16f)((__builtin_convertvector(r, v16i) + 127) << 23);
-  return underflow ? splat(0.0f) : p * scale;
-}
-
-inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
-
 inline int64_t acc_offset(int64_t rows) { return (2 * rows + kLanes - 1) / kLanes * kLanes; }
-
-struct Strides {
-  int64_t page, slot, head;  // of a K (or V) cache [P, page_size, Hkv, D]
-};
 
 // Rows processed together: each key and value vector loaded from the tile is
 // used by all of them, their outputs stay in registers (at most 16 of them).
@@ -136,20 +81,13 @@ struct TileMask {
 // The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
 // each key's lines are prefetched as the same key of this tile is read, so
 // that the requests are spread over the tile rather than issued in a burst.
-// The prefetch is an asm statement: GCC 12 counts __builtin_prefetch as free
-// of side effects, so a function holding only prefetches is deleted at its
-// calls when it is not inlined. This file compiled to no prefetch instruction
-// at all, rounds 1-3 of the kernel included (docs/bench_cpu_attention.md,
-// round 4).
-inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
-
 template <int64_t Bytes>  // of one key
 struct Ahead {
   const char *k = nullptr, *v = nullptr;
   int64_t k_stride = 0, v_stride = 0;  // bytes between keys
   static void key(const char* base, int64_t stride, int i) {
     if (base == nullptr) return;
-    for (int64_t b = 0; b < Bytes; b += 64) prefetch_line(base + i * stride + b);
+    for (int64_t b = 0; b < Bytes; b += 64) prefetch_l1(base + i * stride + b);
   }
   void k_key(int i) const { key(k, k_stride, i); }
   void v_key(int i) const { key(v, v_stride, i); }
@@ -247,10 +185,6 @@ inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v1
 // unpacklo/hi, which permute dimensions within each 128-bit lane: output
 // vector 2w + h, lane 4 L + t holds dimension 32 w + 8 L + 4 h + t
 // (dp_dim_slot, undone when the output is stored).
-constexpr int64_t dp_dim_slot(int64_t d) {
-  return (2 * (d / 32) + (d % 8) / 4) * kLanes + (d % 32) / 8 * 4 + d % 4;
-}
-
 inline __m512i load_words(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
 template <int NV, int RB, typename Prefetch>
@@ -299,24 +233,6 @@ inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uin
     for (int w = 0; w < NV; ++w) a[(r0 + r) * NV + w] = o[r][w];
 }
 #endif
-
-// Whether bf16 rows of NV vectors run on vdpbf16ps (tile_rows_dp).
-template <typename T, int NV>
-constexpr bool kDotBf16 =
-#ifdef __AVX512BF16__
-    std::is_same_v<T, uint16_t> && NV % 2 == 0;
-#else
-    false;
-#endif
-
-// Where output dimension d of a row sits in its accumulator.
-template <typename T, int NV>
-constexpr int64_t acc_slot(int64_t d) {
-#ifdef __AVX512BF16__
-  if constexpr (kDotBf16<T, NV>) return dp_dim_slot(d);
-#endif
-  return d;
-}
 
 // One work item: rows (query j, group head g) as r = j * G + g, over the keys
 // [key_lo, key_hi) of one KV head, leaving its running max, sum and unnormalised
@@ -523,24 +439,8 @@ void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
                          double scale, int64_t window, int64_t max_queries, int64_t split, at::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "q [T, Hq, D], k_cache and v_cache [P, page_size, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out share one dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head_dim must match and Hq be a multiple of Hkv");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && out.stride(2) == 1,
-              "head_dim must be the innermost, contiguous dimension");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  block_tables.scalar_type() == at::kInt, "metadata tensors must be int32");
-  TORCH_CHECK(cu_seqlens_q.is_contiguous() && seq_lens.is_contiguous() && block_tables.stride(1) == 1,
-              "metadata tensors must be contiguous");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 8 * kLanes, "head_dim must be a multiple of 16, at most 128");
+  check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out);
   TORCH_CHECK(split > 0 && split % kLanes == 0, "split must be a positive multiple of 16");
-  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
-              "one block table and one cu_seqlens_q entry per sequence");
   if (q.scalar_type() == at::kFloat)
     run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split, out);
   else if (q.scalar_type() == at::kBFloat16)

@@ -5,8 +5,8 @@ sequence's pages: parallel over (sequence, KV head, key split), an online
 softmax per row, all query heads of a KV head (and all k+1 queries of a
 verify) sharing each read of a K/V page, so a step reads its K/V once with no
 gather. Sequences with more than MAX_QUERIES queries in the step (prefill
-chunks, which are compute- rather than read-bound) go to the torch reference,
-whose oneDNN GEMMs are faster there.
+chunks, which are compute- rather than read-bound) go to another kernel
+(kernels/cpu_chunk_attention.py, or the torch reference).
 
 The extension is compiled on first use (kernels/cpu_extension.py); a machine
 without a C++ compiler or ninja raises CpuKernelUnavailable here, and
@@ -15,6 +15,7 @@ kernels.paged_attention falls back to the torch reference.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,7 +45,9 @@ SPLIT = 512
 
 DTYPES = (torch.float32, torch.bfloat16)
 
-extension = cpu_extension.Extension("agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few)
+extension = cpu_extension.Extension(
+    "agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few, headers=[cpu_extension.ATTENTION_HEADER]
+)
 build_error, available = extension.build_error, extension.available
 
 
@@ -58,6 +61,16 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def require_supported(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """ValueError unless supports(q, k_cache) (the chunk kernel's shapes too:
+    both read kernels/cpu_attention.h's vectors)."""
+    if not supports(q, k_cache):
+        raise ValueError(
+            f"CPU {DTYPES} tensors with a contiguous head_dim of 16, 32, ..., 128 only, not "
+            f"{q.device} {q.dtype} head_dim {q.shape[-1]}"
+        )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -66,17 +79,15 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     out: torch.Tensor | None = None,
+    chunks: Callable = reference.paged_attention_into,
 ) -> torch.Tensor:
     """reference.paged_attention's result: decode/verify sequences here, the
-    longer chunks of a mixed step by the reference. q and out (shaped like q;
-    a new tensor when None) may have any token and head strides: a forward
-    passes q as its slice of the qkv projection and out as rows of the
-    buffer the output projection reads, so neither is copied."""
-    if not supports(q, k_cache):
-        raise ValueError(
-            f"CPU {DTYPES} tensors with a contiguous head_dim of 16, 32, ..., 128 only, not "
-            f"{q.device} {q.dtype} head_dim {q.shape[-1]}"
-        )
+    longer chunks of a mixed step by `chunks` (reference.paged_attention_into's
+    signature: kernels/cpu_chunk_attention.py's where it builds). q and out
+    (shaped like q; a new tensor when None) may have any token and head
+    strides: a forward passes q as its slice of the qkv projection and out as
+    rows of the buffer the output projection reads, so neither is copied."""
+    require_supported(q, k_cache)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -88,5 +99,5 @@ def paged_attention(
             scale, sliding_window, limit, SPLIT, out,
         )
     if meta.max_query_len > limit:
-        reference.paged_attention_into(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=limit)
+        chunks(out, q, k_cache, v_cache, meta, scale, sliding_window, longer_than=limit)
     return out

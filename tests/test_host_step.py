@@ -14,7 +14,7 @@ from cache.pool import PagePool
 from engine import Engine
 from engine.runner import ModelRunner, StepItem
 from experiments.common import random_model
-from kernels import cpu_fused_ops, cpu_paged_attention, reference
+from kernels import cpu_chunk_attention, cpu_fused_ops, cpu_paged_attention, reference
 from kernels.metadata import AttnMetadata
 from model.llama import ForwardScratch
 
@@ -32,7 +32,12 @@ def test_select_chooses_what_the_dispatchers_run(dtype, monkeypatch):
         assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.rope_and_store is cpu_fused_ops.rope_and_store
     else:
         assert chosen.rmsnorm is reference.rmsnorm and chosen.rope_and_store is reference.rope_and_store
-    expected = cpu_paged_attention.paged_attention if cpu_paged_attention.available() else reference.paged_attention
+    if not cpu_paged_attention.available():
+        expected = reference.paged_attention
+    elif cpu_chunk_attention.available():
+        expected = kernels._cpu_attention_with_chunks
+    else:
+        expected = cpu_paged_attention.paged_attention
     assert chosen.paged_attention is expected
     monkeypatch.setenv("AGENTKV_KERNELS", "torch")
     forced = kernels.select(x, k_cache)

@@ -56,3 +56,19 @@ def test_a_set_error_stands_for_a_failed_build_even_after_a_load(monkeypatch):
     assert not ext.available() and ext.build_error() == "no g++ here"
     with pytest.raises(CpuKernelUnavailable, match="no g\\+\\+ here"):
         ext.load()
+
+
+def test_a_header_change_is_a_new_build(monkeypatch, tmp_path):
+    # torch rebuilds when a source changes, not when a header it includes does.
+    calls = _recording_builder(monkeypatch)
+    header = tmp_path / "shared.h"
+    header.write_text("inline int f() { return 1; }\n")
+    names = []
+    for text in (None, "inline int f() { return 2; }\n"):
+        if text is not None:
+            header.write_text(text)
+        ext = Extension("agentkv_test", tmp_path / "op.cpp", lambda: "op", headers=[header])
+        ext.load()
+        names.append(calls[-1]["name"])
+    assert names[0] != names[1] and all(n.startswith(f"agentkv_test_{cpu_tag()}_") for n in names)
+    assert Extension("agentkv_test", tmp_path / "op.cpp", lambda: "op").build_name() == f"agentkv_test_{cpu_tag()}"

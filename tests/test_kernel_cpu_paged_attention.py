@@ -190,7 +190,7 @@ def test_unsupported_shapes_are_refused_and_dispatched_to_the_reference(head_dim
 def test_the_built_kernel_prefetches():
     # GCC once compiled every prefetch of this kernel away, silently: it ran
     # 1.6-2.7x slower on a pool in memory and no result showed it.
-    name = f"agentkv_cpu_attention_{cpu_extension.cpu_tag()}"
+    name = cpu_paged_attention.extension.build_name()
     lib = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
     disassembly = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "prefetcht0" in disassembly

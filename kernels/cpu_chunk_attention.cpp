@@ -1,0 +1,410 @@
+// CPU attention of prompt chunks (many queries per sequence) over the paged
+// KV pool, read in place: flash attention with register-tiled matmuls.
+//
+// Why not torch's CPU flash kernel (what the reference calls): its blocks run
+// through cpublas, which here reaches 105-170 GFLOP/s on two cores in fp32,
+// while this CPU's FMA units give about twice that (kernels/cpu_linear.cpp's
+// tiles reach it). Prompt chunks are 70% of an fp32 prefill's time at 8k.
+//
+// Work items are (sequence, KV head, block of kRows rows), a row being one
+// (query, query head of the group); the rows of a block share every K/V read.
+// Per item: the block's queries transposed once into qt [D][kRows], then
+// tiles of kTileKeys LOGICAL key positions, each:
+//   scores S^T [keys][rows] = K qt, keys broadcast from their pages, 16 rows
+//     a vector (so the softmax of a row is a lane, and vertical);
+//   the causal (and window) mask, the online-softmax update per lane;
+//   O [rows][D] = alpha O + P V, probabilities broadcast, V rows from pages.
+// Every row's arithmetic is its own, in key order, over tiles fixed by
+// position: a row's result does not depend on the rows it shares a block
+// with, the batch, or where its pages lie. A tile a row cannot see at all
+// leaves it unchanged bit for bit (alpha = 1, p = 0), so which tiles an item
+// skips does not matter either.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_attention.h"
+
+namespace {
+
+using namespace agentkv;
+
+constexpr int kRowVecs = 6;                      // row vectors per block
+constexpr int64_t kRows = kRowVecs * kLanes;     // rows per item: 96 = 32 queries of a group of 3
+constexpr int64_t kTileKeys = 64;                // keys per tile: S^T is 24 KB, in L1 with the V rows
+constexpr int kKeyBlock = 4;                     // keys per score tile: 4 x 6 accumulators, 6 query loads
+
+// Scores of KB keys for all kRows rows: s[i][r] = k_i . qt[:, r].
+template <int NV, int KB>
+inline void score_keys(const float* qt, const float* const* krow, float* s) {
+  constexpr int64_t D = NV * kLanes;
+  v16f acc[KB][kRowVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    v16f qv[kRowVecs];
+    for (int w = 0; w < kRowVecs; ++w) qv[w] = load16(qt + d * kRows + w * kLanes);
+    for (int i = 0; i < KB; ++i) {
+      const v16f kb = splat(krow[i][d]);
+      for (int w = 0; w < kRowVecs; ++w) acc[i][w] += kb * qv[w];
+    }
+  }
+  for (int i = 0; i < KB; ++i)
+    for (int w = 0; w < kRowVecs; ++w) store16(s + i * kRows + w * kLanes, acc[i][w]);
+}
+
+// Rows per P V tile: RB x NV accumulators, at most 24 registers.
+template <int NV>
+constexpr int kPvRows = NV <= 4 ? 6 : (NV <= 6 ? 4 : 3);
+
+// o[r] = alpha[r] o[r] + sum over the tile's n keys of p[j][r] v_j, rows [r0, r0 + RB).
+template <int NV, int RB>
+inline void accumulate_values(const float* p, const float* const* vrow, int64_t n, const float* alpha, float* o,
+                              int64_t r0) {
+  constexpr int64_t D = NV * kLanes;
+  v16f acc[RB][NV];
+  for (int i = 0; i < RB; ++i)
+    for (int w = 0; w < NV; ++w) acc[i][w] = load16(o + (r0 + i) * D + w * kLanes) * alpha[r0 + i];
+  for (int64_t j = 0; j < n; ++j) {
+    v16f vv[NV];
+    for (int w = 0; w < NV; ++w) vv[w] = load16(vrow[j] + w * kLanes);
+    for (int i = 0; i < RB; ++i) {
+      const v16f pb = splat(p[j * kRows + r0 + i]);
+      for (int w = 0; w < NV; ++w) acc[i][w] += pb * vv[w];
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int w = 0; w < NV; ++w) store16(o + (r0 + i) * D + w * kLanes, acc[i][w]);
+}
+
+#ifdef __AVX512BF16__
+// bf16 with head_dim a multiple of 32, on AVX512-BF16: vdpbf16ps multiplies
+// pairs of bf16 exactly and sums them in fp32, so K and V are never widened,
+// as in the decode kernel. Scores take the queries as they are, pairs of
+// dimensions [D/2][kRows] (scaled after, in fp32); P V takes p rounded to
+// bf16, pairs of keys [keys/2][kRows], with each row's sum over the same
+// rounded p. Value rows of keys 2i and 2i+1 are interleaved by unpacklo/hi,
+// which permute dimensions within 128-bit lanes: dp_dim_slot says where
+// dimension d lands (kernels/cpu_attention.h), undone when a row is stored.
+
+inline __m512bh pair_splat(const void* p) {
+  int32_t x;
+  std::memcpy(&x, p, 4);
+  return (__m512bh)_mm512_set1_epi32(x);
+}
+
+template <int NV, int KB>
+inline void score_keys_dp(const uint32_t* qw, const uint16_t* const* krow, float* s) {
+  constexpr int64_t kPairs = NV * kLanes / 2;
+  __m512 acc[KB][kRowVecs];
+  for (int i = 0; i < KB; ++i)
+    for (int w = 0; w < kRowVecs; ++w) acc[i][w] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kPairs; ++d) {
+    __m512bh qv[kRowVecs];
+    for (int w = 0; w < kRowVecs; ++w) qv[w] = (__m512bh)_mm512_loadu_si512(qw + d * kRows + w * kLanes);
+    for (int i = 0; i < KB; ++i) {
+      const __m512bh kb = pair_splat(krow[i] + 2 * d);
+      for (int w = 0; w < kRowVecs; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], qv[w], kb);
+    }
+  }
+  for (int i = 0; i < KB; ++i)
+    for (int w = 0; w < kRowVecs; ++w) _mm512_storeu_ps(s + i * kRows + w * kLanes, acc[i][w]);
+}
+
+// Keys 2i and 2i+1's value rows as NV vectors of pairs (a missing second key
+// as zeros: its p is 0, and 0 times a stray NaN would not be).
+template <int NV>
+inline void pack_value_pairs(const uint16_t* const* vrow, int64_t n, __m512i* pairs) {
+  for (int64_t i = 0; 2 * i < n; ++i)
+    for (int w = 0; w < NV / 2; ++w) {
+      const __m512i x = _mm512_loadu_si512(vrow[2 * i] + w * 2 * kLanes);
+      const __m512i y = 2 * i + 1 < n ? _mm512_loadu_si512(vrow[2 * i + 1] + w * 2 * kLanes) : _mm512_setzero_si512();
+      pairs[i * NV + 2 * w] = _mm512_unpacklo_epi16(x, y);
+      pairs[i * NV + 2 * w + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+}
+
+// p rounded to bf16, keys j and j + 1 as one pair per row lane; returns the
+// rounded values' sum.
+inline v16f pack_probability_pair(v16f e0, v16f e1, uint32_t* dst) {
+  const __m512i u0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e0));
+  const __m512i u1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e1));
+  _mm512_storeu_si512(dst, _mm512_or_si512(u0, _mm512_slli_epi32(u1, 16)));
+  return (v16f)_mm512_slli_epi32(u0, 16) + (v16f)_mm512_slli_epi32(u1, 16);
+}
+
+template <int NV, int RB>
+inline void accumulate_values_dp(const uint32_t* pp, const __m512i* pairs, int64_t n, const float* alpha, float* o,
+                                 int64_t r0) {
+  constexpr int64_t D = NV * kLanes;
+  __m512 acc[RB][NV];
+  for (int i = 0; i < RB; ++i)
+    for (int w = 0; w < NV; ++w)
+      acc[i][w] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + i) * D + w * kLanes), _mm512_set1_ps(alpha[r0 + i]));
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    __m512bh vv[NV];
+    for (int w = 0; w < NV; ++w) vv[w] = (__m512bh)pairs[j * NV + w];
+    for (int i = 0; i < RB; ++i) {
+      const __m512bh pb = pair_splat(pp + j * kRows + r0 + i);
+      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], vv[w], pb);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + (r0 + i) * D + w * kLanes, acc[i][w]);
+}
+#endif
+
+// One thread's buffers, 64-byte aligned (v16f).
+template <int NV>
+struct Scratch {
+  static constexpr int64_t D = NV * kLanes;
+  std::vector<v16f> qt = std::vector<v16f>(D * kRowVecs);             // [D][kRows] scaled queries
+  std::vector<v16f> s = std::vector<v16f>(kTileKeys * kRowVecs);      // [keys][kRows] scores, then p
+  std::vector<v16f> o = std::vector<v16f>(kRows * NV);                // [kRows][D] unnormalised outputs
+  std::vector<v16f> kv = std::vector<v16f>(2 * kTileKeys * NV);       // bf16 K and V rows widened, or V pairs
+  std::vector<v16f> pp = std::vector<v16f>(kTileKeys / 2 * kRowVecs); // [keys/2][kRows] bf16 p pairs
+  float* f(std::vector<v16f>& v) { return reinterpret_cast<float*>(v.data()); }
+};
+
+struct Item {
+  int64_t seq, head, row0, cost;
+};
+
+struct Geometry {
+  int64_t page_size, group, window;
+  Strides ks, vs;
+};
+
+// One item: rows [row0, row0 + kRows) of one (sequence, KV head), written
+// to out normalised.
+template <typename T, int NV>
+void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, const T* v, const int32_t* table,
+                  const Geometry& g, int64_t head, int64_t num_q, int64_t s_len, int64_t row0, float scale, T* out,
+                  int64_t ot_stride, int64_t oh_stride, Scratch<NV>& buf) {
+  constexpr int64_t D = NV * kLanes;
+  constexpr bool dp = kDotBf16<T, NV>;
+  const int64_t rows = std::min(kRows, num_q * g.group - row0);
+  const int64_t first_pos = s_len - num_q;
+  float* qt = buf.f(buf.qt);
+  float* s = buf.f(buf.s);
+  float* o = buf.f(buf.o);
+  // Rows past the end of the sequence's repeat the last one (results unused).
+  alignas(64) int32_t pos[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + std::min(r, rows - 1);
+    pos[r] = int32_t(first_pos + row / g.group);
+    const T* src = q + (row / g.group) * qt_stride + (head * g.group + row % g.group) * qh_stride;
+    if constexpr (dp) {  // [D/2][kRows] pairs of dimensions, as they are
+      uint32_t* qw = reinterpret_cast<uint32_t*>(qt);
+      for (int64_t d = 0; d < D / 2; ++d) std::memcpy(qw + d * kRows + r, src + 2 * d, 4);
+    } else {  // [D][kRows] scaled fp32
+      for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = to_float(src[d]) * scale;
+    }
+  }
+  std::fill(o, o + kRows * D, 0.0f);
+  v16f m[kRowVecs], l[kRowVecs];
+  for (int w = 0; w < kRowVecs; ++w) m[w] = splat(kNegInf), l[w] = v16f{};
+  const int64_t lo_pos = pos[0], hi_pos = pos[kRows - 1];
+  const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, lo_pos - g.window + 1) / kTileKeys * kTileKeys : 0;
+  using Row = std::conditional_t<dp, uint16_t, float>;  // what the score and value loops read
+  const Row* krow[kTileKeys];
+  const Row* vrow[kTileKeys];
+  alignas(64) float alpha[kRows];
+  for (int64_t start = key_lo; start <= hi_pos; start += kTileKeys) {
+    const int64_t n = std::min<int64_t>(kTileKeys, hi_pos + 1 - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = start + j;
+      const int64_t page = table[key / g.page_size], slot = key % g.page_size;
+      const T* kp = k + page * g.ks.page + head * g.ks.head + slot * g.ks.slot;
+      const T* vp = v + page * g.vs.page + head * g.vs.head + slot * g.vs.slot;
+      if constexpr (std::is_same_v<T, Row>) {
+        krow[j] = kp, vrow[j] = vp;
+      } else {  // bf16 of a head_dim vdpbf16ps does not take, or without it: widened
+        float* kf = buf.f(buf.kv) + j * D;
+        float* vf = kf + kTileKeys * D;
+        for (int w = 0; w < NV; ++w) {
+          store16(kf + w * kLanes, load16(kp + w * kLanes));
+          store16(vf + w * kLanes, load16(vp + w * kLanes));
+        }
+        krow[j] = kf, vrow[j] = vf;
+      }
+    }
+    // The next tile's rows, toward L2 while this one computes: a tile spans
+    // four pages, each where the hardware prefetchers must start over.
+    for (int64_t key = start + kTileKeys, end = std::min(hi_pos + 1, start + 2 * kTileKeys); key < end; ++key) {
+      const int64_t page = table[key / g.page_size], slot = key % g.page_size;
+      const char* kp = reinterpret_cast<const char*>(k + page * g.ks.page + head * g.ks.head + slot * g.ks.slot);
+      const char* vp = reinterpret_cast<const char*>(v + page * g.vs.page + head * g.vs.head + slot * g.vs.slot);
+      for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) prefetch_l2(kp + b), prefetch_l2(vp + b);
+    }
+    auto score = [&](auto kb, int64_t j) {
+      constexpr int KB = decltype(kb)::value;
+#ifdef __AVX512BF16__
+      if constexpr (dp) {
+        score_keys_dp<NV, KB>(reinterpret_cast<const uint32_t*>(qt), krow + j, s + j * kRows);
+        return;
+      }
+#endif
+      if constexpr (!dp) score_keys<NV, KB>(qt, krow + j, s + j * kRows);
+    };
+    int64_t j = 0;
+    for (; j + kKeyBlock <= n; j += kKeyBlock) score(std::integral_constant<int, kKeyBlock>{}, j);
+    switch (n - j) {
+      case 1: score(std::integral_constant<int, 1>{}, j); break;
+      case 2: score(std::integral_constant<int, 2>{}, j); break;
+      case 3: score(std::integral_constant<int, 3>{}, j); break;
+    }
+    // Only a tile reaching past the first row's position, or below the last
+    // row's window, hides keys from some row.
+    const bool masked = start + n - 1 > lo_pos || (g.window > 0 && start <= hi_pos - g.window);
+    for (int w = 0; w < kRowVecs; ++w) {
+      v16i p;
+      std::memcpy(&p, pos + w * kLanes, sizeof p);
+      v16f mx = m[w];
+      for (int64_t jj = 0; jj < n; ++jj) {
+        v16f x = load16(s + jj * kRows + w * kLanes);
+        if constexpr (dp) x *= scale;
+        if (masked) {
+          const int32_t key = int32_t(start + jj);
+          v16i visible = (v16i{} + key) <= p;
+          if (g.window > 0) visible &= (v16i{} + key) > p - int32_t(g.window);
+          x = visible ? x : splat(kNegInf);
+        }
+        if (dp || masked) store16(s + jj * kRows + w * kLanes, x);
+        mx = mx > x ? mx : x;
+      }
+      // A lane that has seen no key yet keeps max -inf: subtract 0 instead,
+      // so that its p are exp(-inf) = 0 and its alpha exp(-inf) = 0.
+      const v16f base = mx == splat(kNegInf) ? v16f{} : mx;
+      const v16f a = exp_nonpositive(m[w] - base);
+      v16f sum = v16f{};
+#ifdef __AVX512BF16__
+      if constexpr (dp) {
+        uint32_t* pp = reinterpret_cast<uint32_t*>(buf.pp.data());
+        for (int64_t jj = 0; jj < n; jj += 2) {
+          const v16f e0 = exp_nonpositive(load16(s + jj * kRows + w * kLanes) - base);
+          const v16f e1 = jj + 1 < n ? exp_nonpositive(load16(s + (jj + 1) * kRows + w * kLanes) - base) : v16f{};
+          sum += pack_probability_pair(e0, e1, pp + jj / 2 * kRows + w * kLanes);
+        }
+      }
+#endif
+      if constexpr (!dp)
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const v16f e = exp_nonpositive(load16(s + jj * kRows + w * kLanes) - base);
+          store16(s + jj * kRows + w * kLanes, e);
+          sum += e;
+        }
+      l[w] = l[w] * a + sum;
+      m[w] = mx;
+      store16(alpha + w * kLanes, a);
+    }
+    constexpr int RB = kPvRows<NV>;
+    static_assert(kRows % RB == 0, "row blocks divide the item");
+#ifdef __AVX512BF16__
+    if constexpr (dp) {
+      __m512i* pairs = reinterpret_cast<__m512i*>(buf.kv.data());
+      pack_value_pairs<NV>(vrow, n, pairs);
+      const uint32_t* pp = reinterpret_cast<const uint32_t*>(buf.pp.data());
+      for (int64_t r = 0; r < kRows; r += RB) accumulate_values_dp<NV, RB>(pp, pairs, n, alpha, o, r);
+    }
+#endif
+    if constexpr (!dp)
+      for (int64_t r = 0; r < kRows; r += RB) accumulate_values<NV, RB>(s, vrow, n, alpha, o, r);
+  }
+  alignas(64) float inv[kRows];
+  for (int w = 0; w < kRowVecs; ++w) store16(inv + w * kLanes, 1.0f / l[w]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r;
+    T* dst = out + (row / g.group) * ot_stride + (head * g.group + row % g.group) * oh_stride;
+    for (int64_t d = 0; d < D; ++d) store(dst + d, o[r * D + acc_slot<T, NV>(d)] * inv[r]);
+  }
+}
+
+template <typename T, int NV>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
+         const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
+         int64_t longer_than, at::Tensor& out) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const Geometry g{k_cache.size(1), q.size(1) / num_kv_heads, window,
+                   {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                   {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
+  const int32_t* cu = cu_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t num_q = cu[b + 1] - cu[b], s_len = lens[b];
+    TORCH_CHECK(num_q >= 1 && s_len >= num_q, "sequence ", b, ": bad lengths");
+    if (num_q <= longer_than) continue;
+    const int64_t rows = num_q * g.group;
+    for (int64_t row0 = 0; row0 < rows; row0 += kRows) {
+      const int64_t last = s_len - num_q + std::min(rows, row0 + kRows) / g.group;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, s_len - num_q + row0 / g.group - window) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({b, h, row0, last - first});
+    }
+  }
+  // By head, so that the threads read the same K/V at once (two heads of
+  // 16k keys overflow the L3), and within a head the longest first, taken by
+  // whichever thread is free: the blocks of a fresh chunk differ in cost up
+  // to its length over kRows.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.seq != b.seq ? a.seq < b.seq : (a.head != b.head ? a.head < b.head : a.cost > b.cost);
+  });
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t qts = q.stride(0), qhs = q.stride(1), ots = out.stride(0), ohs = out.stride(1);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch<NV> buf;
+    for (int64_t i = next++; i < int64_t(items.size()); i = next++) {
+      const Item& it = items[i];
+      const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
+      attend_block<T, NV>(qp + cu[it.seq] * qts, qts, qhs, kp, vp, tables + it.seq * block_tables.stride(0), g,
+                          it.head, num_q, lens[it.seq], it.row0, float(scale), op + cu[it.seq] * ots, ots, ohs, buf);
+    }
+    (void)begin, (void)end;
+  });
+}
+
+template <typename T>
+void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
+             const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
+             int64_t longer_than, at::Tensor& out) {
+  switch (q.size(2) / kLanes) {
+#define AGENTKV_DIM(nv) \
+  case nv:              \
+    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, longer_than, out);
+    AGENTKV_DIM(1) AGENTKV_DIM(2) AGENTKV_DIM(3) AGENTKV_DIM(4) AGENTKV_DIM(5) AGENTKV_DIM(6) AGENTKV_DIM(7)
+    AGENTKV_DIM(8)
+#undef AGENTKV_DIM
+  }
+}
+
+// Fills out's rows of every sequence with more than longer_than queries; the
+// rows of shorter ones are left to the caller.
+void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                     double scale, int64_t window, int64_t longer_than, at::Tensor out) {
+  check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out);
+  if (q.scalar_type() == at::kFloat)
+    run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, longer_than, out);
+  else  // bf16 (checked)
+    run_dim<uint16_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, longer_than, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(agentkv_cpu_chunk, m) {
+  m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int window, int longer_than, Tensor(a!) out) -> ()");
+  m.impl("chunk_attention", c10::DispatchKey::CPU, &chunk_attention);
+}
