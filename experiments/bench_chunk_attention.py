@@ -139,11 +139,14 @@ def prefill_rows(args, bar) -> list[dict]:
     return rows
 
 
+DTYPE_LABEL = {"float32": "fp32", "bfloat16": "bf16"}
+
+
 def plot(res: dict, path) -> None:
     plt = pyplot()
     rows = res["attention"]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    labels = [f"{r['dtype'][:4]} {r['threads']}t\n{r['chunk']}@{r['cached']}" for r in rows]
+    labels = [f"{DTYPE_LABEL[r['dtype']]} {r['threads']}t\n{r['chunk']}@{r['cached']}" for r in rows]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["reference_gflops"] for r in rows], 0.4, label="reference (torch)")
     ax.bar([i + 0.2 for i in x], [r["kernel_gflops"] for r in rows], 0.4, label="chunk kernel (C++)")
