@@ -52,6 +52,11 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (default on a CUDA device: decode and fixed-length verify "
                              "steps replay CUDA graphs, engine/decode_graphs.py)")
+    parser.add_argument("--timeout-keep-alive", type=int, default=75,
+                        help="seconds an idle HTTP keep-alive connection stays open. Above the clients' own pool "
+                             "expiry (httpx, under the openai client: 5 s), so that an agent resuming after a tool "
+                             "pause never sends on a connection the server is closing (uvicorn's default of 5 s "
+                             "raced it: connection errors)")
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
                              "used expire (404)")
@@ -165,7 +170,7 @@ def serve(argv: list[str]) -> None:
         log.info("resumed %d saved sessions from %s", len(app.state.api.sessions), args.state_dir)
         for line in app.state.api.sessions.reports():
             log.warning("%s", line)
-    uvicorn.run(app, host=args.host, port=args.port)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_keep_alive=args.timeout_keep_alive)
 
 
 def _reload(keys: ApiKeys) -> None:

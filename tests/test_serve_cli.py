@@ -1,0 +1,31 @@
+"""serve.py's command line: what reaches uvicorn. An agent resumes after a
+tool pause on the connection its client kept alive; if the server closes idle
+connections first, the request lands on a closing socket and the agent sees
+a connection error (bench_agents hit one with uvicorn's default of 5 s)."""
+from __future__ import annotations
+
+import openai
+import pytest
+import uvicorn
+
+import serve
+
+
+@pytest.fixture
+def uvicorn_calls(monkeypatch) -> list[dict]:
+    calls: list[dict] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_idle_connections_outlive_the_openai_clients_pool(uvicorn_calls):
+    serve.serve(["--kv-cache-gb", "0.02", "--port", "8123"])
+    (kwargs,) = uvicorn_calls
+    assert kwargs["port"] == 8123
+    # The client drops an idle connection before the server would: never the other way round.
+    assert kwargs["timeout_keep_alive"] > openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+
+
+def test_the_keep_alive_is_the_operators_to_set(uvicorn_calls):
+    serve.serve(["--kv-cache-gb", "0.02", "--timeout-keep-alive", "300"])
+    assert uvicorn_calls[-1]["timeout_keep_alive"] == 300
