@@ -61,16 +61,21 @@ inline void store(uint16_t* dst, float x) {
 }
 
 // exp(x) for x <= 0 (scores minus their running max), 0 below -87: 2^(x log2 e)
-// split into 2^n 2^f with |f| <= 1/2 and 2^f by its Taylor series to degree 7
-// (relative error < 1e-8 before rounding). libm's expf does not vectorize.
+// split into 2^n 2^f with |f| <= 1/2 and 2^f by its Taylor series to Degree
+// (7: relative error < 1e-8 before rounding; 4: < 5e-5, enough for a p that is
+// rounded to bf16). libm's expf does not vectorize.
+template <int Degree = 7>
 inline v16f exp_nonpositive(v16f x) {
+  static_assert(Degree >= 1 && Degree <= 7, "the series' terms below");
+  constexpr float kTerms[8] = {1.0f, 1.0f, 0.5f, 1.6666667e-1f, 4.1666668e-2f, 8.3333338e-3f, 1.3888889e-3f,
+                               1.9841270e-4f};
   const v16i underflow = x < -87.0f;
   x = underflow ? splat(-87.0f) : x;  // -inf included: keeps the int conversion defined
   const v16f t = x * 1.44269504088896341f;
   const v16f r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
   const v16f f = (t - r) * 0.69314718055994531f;
-  const v16f p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f +
-                 f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
+  v16f p = splat(kTerms[Degree]);
+  for (int i = Degree - 1; i >= 0; --i) p = kTerms[i] + f * p;
   const v16f scale = (v16f)((__builtin_convertvector(r, v16i) + 127) << 23);
   return underflow ? splat(0.0f) : p * scale;
 }
