@@ -203,7 +203,7 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
   float* qt = buf.f(buf.qt);
   float* s = buf.f(buf.s);
   float* o = buf.f(buf.o);
-  // Rows past the end of the sequence's repeat the last one (results unused).
+  // Rows past the sequence's last one repeat it (their results are not stored).
   alignas(64) int32_t pos[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t row = row0 + std::min(r, rows - 1);
