@@ -1,7 +1,7 @@
 """Building the C++ CPU kernels (kernels/cpu_*.cpp) on first use.
 
 Each is compiled with torch.utils.cpp_extension for the CPU it runs on and
-cached under TORCH_EXTENSIONS_DIR (or ~/.cache/torch_extensions); a machine
+cached under TORCH_EXTENSIONS_DIR (or ~/.cache/torch_extensions)/agentkv; a machine
 without a C++ compiler or ninja gets CpuKernelUnavailable, remembered so the
 build is tried once, and the caller falls back to its torch path. Each
 wrapper (kernels/cpu_*.py) holds its Extension as `extension` and passes on
@@ -9,8 +9,11 @@ its build_error (and available) as its own.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -86,17 +89,40 @@ class Extension(Generic[T]):
             name += "_" + hashlib.sha1(b"".join(h.read_bytes() for h in self.headers)).hexdigest()[:10]
         return name
 
+    def build_directory(self) -> Path:
+        """Where the build and its cached library live: under torch's build
+        root (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions), per Python
+        and torch version, then per build_name."""
+        import torch
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+        return Path(root) / "agentkv" / version / self.build_name()
+
     def _build(self) -> T:
         try:
             from torch.utils.cpp_extension import load as build
 
-            build(
-                name=self.build_name(),
-                sources=[str(self.source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *self.cflags],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
+            directory = self.build_directory()
+            directory.mkdir(parents=True, exist_ok=True)
+            # torch marks a build in progress with a `lock` file that other
+            # processes wait on for as long as it exists, and a process killed
+            # mid-build (a Ctrl-C at first use) leaves it behind: every later
+            # start then hangs. Our builds take an flock first, which the OS
+            # releases with its holder, so a `lock` found while holding it is
+            # such a leftover.
+            with open(directory.with_name(directory.name + ".flock"), "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (directory / "lock").unlink(missing_ok=True)
+                build(
+                    name=self.build_name(),
+                    sources=[str(self.source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *self.cflags],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                )
             return self.resolve()
         except (RuntimeError, OSError, ImportError, AttributeError, subprocess.CalledProcessError) as e:
             self.error = f"building {self.source.name} failed (needs a C++ compiler and ninja): {e}"

@@ -8,6 +8,12 @@ import torch.utils.cpp_extension
 from kernels.cpu_extension import CpuKernelUnavailable, Extension, cpu_tag
 
 
+@pytest.fixture(autouse=True)
+def _own_build_root(monkeypatch, tmp_path):
+    # Extension makes its build folder before building: not in the user's cache.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+
+
 def _recording_builder(monkeypatch, error: Exception | None = None) -> list[dict]:
     calls: list[dict] = []
 
@@ -72,3 +78,21 @@ def test_a_header_change_is_a_new_build(monkeypatch, tmp_path):
         names.append(calls[-1]["name"])
     assert names[0] != names[1] and all(n.startswith(f"agentkv_test_{cpu_tag()}_") for n in names)
     assert Extension("agentkv_test", tmp_path / "op.cpp", lambda: "op").build_name() == f"agentkv_test_{cpu_tag()}"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(monkeypatch, tmp_path):
+    # torch waits on its `lock` file for as long as it exists; a build killed
+    # midway (Ctrl-C at first use) left one, and every later start hung.
+    seen = []
+    ext = Extension("agentkv_test", tmp_path / "op.cpp", lambda: "op")
+    directory = ext.build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").write_text("")
+
+    def build(**kwargs):
+        seen.append((kwargs["build_directory"], (directory / "lock").exists()))
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    assert ext.load() == "op"
+    assert seen == [(str(directory), False)]
+    assert directory.is_relative_to(tmp_path) and ext.build_name() in directory.name

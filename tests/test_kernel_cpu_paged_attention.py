@@ -8,11 +8,9 @@ import random
 import shutil
 import subprocess
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import _get_build_directory
 
 import kernels
 from kernels import cpu_extension, cpu_paged_attention, reference
@@ -190,7 +188,7 @@ def test_unsupported_shapes_are_refused_and_dispatched_to_the_reference(head_dim
 def test_the_built_kernel_prefetches():
     # GCC once compiled every prefetch of this kernel away, silently: it ran
     # 1.6-2.7x slower on a pool in memory and no result showed it.
-    name = cpu_paged_attention.extension.build_name()
-    lib = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    ext = cpu_paged_attention.extension
+    lib = ext.build_directory() / f"{ext.build_name()}.so"
     disassembly = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "prefetcht0" in disassembly
