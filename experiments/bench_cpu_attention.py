@@ -67,19 +67,34 @@ def read_bandwidth(repeats: int, huge_pages: bool = False) -> float:
     return buf.numel() * 4 / median(times) / 1e9
 
 
-def kernel_variant(source: str) -> Callable:
+# The files of the decode kernel at a revision: its source and, since the
+# chunk kernel shares it, the header it includes.
+KERNEL_FILES = ("cpu_paged_attention.cpp", "cpu_attention.h")
+
+
+def kernel_variant(files: dict[str, str]) -> Callable:
     """cpu_paged_attention.paged_attention's decode path on another version of
-    its C++ source (the text of a kernels/cpu_paged_attention.cpp), built as
-    an extension of its own (op namespace renamed), so that old and new
-    kernels run side by side in one process."""
-    tag = hashlib.sha1(source.encode()).hexdigest()[:10]
+    its C++ files (KERNEL_FILES' texts, the header where that version has
+    one), built as an extension of its own (op namespace renamed) from a
+    folder of its own, so that old and new kernels run side by side in one
+    process."""
+    source = files["cpu_paged_attention.cpp"]
+    tag = hashlib.sha1("".join(files.values()).encode()).hexdigest()[:10]
     ns = f"agentkv_variant_{tag}"
     renamed = source.replace("TORCH_LIBRARY(agentkv_cpu,", f"TORCH_LIBRARY({ns},")
     if renamed == source:
         raise ValueError("the source registers no TORCH_LIBRARY(agentkv_cpu, ...)")
-    path = Path(tempfile.gettempdir()) / f"{ns}.cpp"
-    path.write_text(renamed)
-    op = cpu_extension.load({}, ns, path, lambda: getattr(torch.ops, ns).paged_attention_few)
+    folder = Path(tempfile.gettempdir()) / ns
+    folder.mkdir(exist_ok=True)
+    (folder / f"{ns}.cpp").write_text(renamed)
+    headers = []
+    for name, text in files.items():
+        if name.endswith(".h"):
+            (folder / name).write_text(text)
+            headers.append(folder / name)
+    ext = cpu_extension.Extension(ns, folder / f"{ns}.cpp", lambda: getattr(torch.ops, ns).paged_attention_few,
+                                  headers=headers)
+    op = ext.load()
 
     def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0):
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -90,10 +105,16 @@ def kernel_variant(source: str) -> Callable:
     return paged_attention
 
 
-def source_at(rev: str) -> str:
-    """kernels/cpu_paged_attention.cpp at git revision rev."""
-    return subprocess.run(["git", "show", f"{rev}:kernels/cpu_paged_attention.cpp"], capture_output=True, text=True,
-                          check=True).stdout
+def source_at(rev: str) -> dict[str, str]:
+    """KERNEL_FILES at git revision rev (those it has)."""
+    files = {}
+    for name in KERNEL_FILES:
+        shown = subprocess.run(["git", "show", f"{rev}:kernels/{name}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            files[name] = shown.stdout
+    if KERNEL_FILES[0] not in files:
+        raise SystemExit(f"--baseline {rev}: no kernels/{KERNEL_FILES[0]} there")
+    return files
 
 
 def attention_case(cfg: ModelConfig, dtype: torch.dtype, context: int, num_q: int, layers: int, page_size: int,

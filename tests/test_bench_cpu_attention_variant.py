@@ -1,0 +1,33 @@
+"""experiments.bench_cpu_attention --baseline REV builds the decode kernel as
+it was at REV beside today's: built from the files of a revision (its source
+and the header it includes), it must be today's kernel bit for bit when the
+revision is today's. (The option had rotted unseen once: nothing ran it.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import bench_cpu_attention
+from kernels import cpu_paged_attention
+from tests.test_kernel_cpu_paged_attention import CASES, build
+
+pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(), reason="the decode kernel did not build")
+
+KERNELS = Path(cpu_paged_attention.__file__).parent
+
+
+def test_a_variant_of_todays_files_is_todays_kernel():
+    files = {name: (KERNELS / name).read_text() for name in bench_cpu_attention.KERNEL_FILES}
+    variant = bench_cpu_attention.kernel_variant(files)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k_cache, v_cache, meta = build(CASES[0], dtype)  # decode steps only
+        want = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.25)
+        assert torch.equal(variant(q, k_cache, v_cache, meta, 0.25), want)
+
+
+def test_a_revision_gives_the_files_it_has():
+    files = bench_cpu_attention.source_at("HEAD")
+    assert set(files) == set(bench_cpu_attention.KERNEL_FILES)
+    assert "TORCH_LIBRARY(agentkv_cpu," in files["cpu_paged_attention.cpp"]
