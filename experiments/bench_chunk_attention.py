@@ -59,9 +59,9 @@ def causal_flops(num_q: int, cached: int, heads: int, head_dim: int) -> float:
 
 
 def attention_rows(args, bar) -> list[dict]:
-    cfg = SHAPES[args.shape]
-    heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"])
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg = ModelConfig.from_hf(SHAPES[args.shape])
+    heads = (cfg.num_heads, cfg.num_kv_heads)
+    head_dim = cfg.head_dim
     scale = head_dim**-0.5
     rows = []
     for dtype_name in args.dtypes.split(","):

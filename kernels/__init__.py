@@ -107,9 +107,8 @@ def _attention_impl(q: torch.Tensor, k_cache: torch.Tensor, triton: bool) -> Cal
     if triton:
         return _triton("paged_attention", "paged_attention")
     if _use_cpu_attention(q, k_cache):
-        if cpu_chunk_attention.supports(q, k_cache) and _built(
-            cpu_chunk_attention, _warned_chunks, "Prompt chunks' attention runs the slower torch reference"
-        ):
+        # Both kernels take the same shapes (cpu_chunk_attention.supports is the decode kernel's).
+        if _built(cpu_chunk_attention, _warned_chunks, "Prompt chunks' attention runs the slower torch reference"):
             return _cpu_attention_with_chunks
         return cpu_paged_attention.paged_attention
     return reference.paged_attention
