@@ -11,6 +11,9 @@ attention over every layer for --queries new tokens (1: decode, k+1: verify).
 Memory read: torch's sum over a 1 GiB fp32 buffer, same threads, twice: on
 4 KB pages (torch's allocator) and placed as the pool is (2 MB pages where
 the OS gives them); "cpp / read" is against the latter, like against like.
+"cpp" prefetches as kernels/cpu_paged_attention.tune_prefetch chose on the
+case's pool ("prefetch": tiles ahead, 0 for none); "pf<N> ms" times each
+choice it had, side by side.
 
 --baseline REV adds the kernel as it was at git revision REV ("base"),
 built beside today's and timed alternately with it in the same run.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import subprocess
@@ -95,11 +99,14 @@ def kernel_variant(files: dict[str, str]) -> Callable:
     ext = cpu_extension.Extension(ns, folder / f"{ns}.cpp", lambda: getattr(torch.ops, ns).paged_attention_few,
                                   headers=headers)
     op = ext.load()
+    # Revisions before the prefetch distance was an argument prefetch as they were built.
+    takes_prefetch = any(a.name == "prefetch" for a in op.default._schema.arguments)
 
     def paged_attention(q, k_cache, v_cache, meta: AttnMetadata, scale: float, sliding_window: int = 0):
         out = torch.empty(q.shape, dtype=q.dtype)
+        prefetch = (cpu_paged_attention.prefetch_tiles(),) if takes_prefetch else ()
         op(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, sliding_window,
-           cpu_paged_attention.MAX_QUERIES[q.dtype], cpu_paged_attention.SPLIT, out)
+           cpu_paged_attention.MAX_QUERIES[q.dtype], cpu_paged_attention.SPLIT, *prefetch, out)
         return out
 
     return paged_attention
@@ -142,6 +149,8 @@ def bench_attention(args) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     scale = cfg.head_dim**-0.5
     paths = dict(PATHS)
+    for tiles in cpu_paged_attention.PREFETCH_CHOICES:  # "cpp" takes the tuned one of these
+        paths[f"pf{tiles}"] = functools.partial(cpu_paged_attention.paged_attention, prefetch=tiles)
     if args.baseline:
         paths["base"] = kernel_variant(source_at(args.baseline))
     rows = []
@@ -151,6 +160,8 @@ def bench_attention(args) -> list[dict]:
         dtype = getattr(torch, dtype_name)
         pool, meta, q = attention_case(cfg, dtype, context, args.queries, args.layers, args.page_size,
                                        args.placement, gen)
+        tuned = cpu_paged_attention.tune_prefetch([(pool.kv[i, 0], pool.kv[i, 1]) for i in range(args.layers)],
+                                                  cfg.num_heads)
         kv_bytes = args.layers * 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         mem_small = read_bandwidth(args.repeats)
         mem = read_bandwidth(args.repeats, huge_pages=True)
@@ -162,7 +173,7 @@ def bench_attention(args) -> list[dict]:
                 times[p].append(time_attention(impl, pool, meta, q, scale))
         mem = median([mem, read_bandwidth(args.repeats, huge_pages=True)])  # before and after the timings
         row = {"dtype": dtype_name, "context": context, "threads": threads, "read_GBps": mem, "read_4k_GBps": mem_small,
-               "kv_MB": kv_bytes / 1e6}
+               "kv_MB": kv_bytes / 1e6, "prefetch": tuned.tiles, "prefetch_tuning_ms": tuned.ms}
         for p in paths:
             t = median(times[p])
             row[f"{p}_ms"] = t * 1e3
@@ -264,11 +275,13 @@ def main() -> None:
     out = run_dir("bench_cpu_attention")
     res = {"args": vars(args), "machine": machine(), "attention": [] if args.skip_attention else bench_attention(args)}
     base = ["base ms", "base / read"] if args.baseline else []
+    choices = cpu_paged_attention.PREFETCH_CHOICES
     text = table(
         ["dtype", "context", "threads", "K/V MB", "read 4K GB/s", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
-         "cpp / read", *base],
+         "cpp / read", "prefetch", *(f"pf{c} ms" for c in choices), *base],
         [[r["dtype"], r["context"], r["threads"], r["kv_MB"], r["read_4k_GBps"], r["read_GBps"], r["torch_ms"], r["torch_GBps"],
-          r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}"]
+          r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}", r["prefetch"],
+          *(r[f"pf{c}_ms"] for c in choices)]
          + ([r["base_ms"], f"{r['base_GBps'] / r['read_GBps']:.2f}"] if args.baseline else []) for r in res["attention"]],
     )
     print(text)

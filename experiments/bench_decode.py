@@ -131,22 +131,26 @@ def median_usage(usages: list[dict]) -> dict:
 
 
 def attention_ms(cfg: ModelConfig, dtype: torch.dtype, context: int, page_size: int,
-                 repeats: int) -> tuple[float, float] | None:
+                 repeats: int) -> tuple[float, float, int] | None:
     """Our C++ decode attention alone over every layer at context, one query
-    (median ms), and the read GB/s of memory placed as the pool is (huge
-    pages) just before and after it (median), or None without the kernel."""
+    (median ms), the read GB/s of memory placed as the pool is (huge pages)
+    just before and after it (median), and the prefetch distance it took
+    (tuned on that pool, as an engine's first forward tunes on its own), or
+    None without the kernel."""
     if not cpu_paged_attention.available():
         return None
     reads = [read_bandwidth(5, huge_pages=True)]
     pool, meta, q = attention_case(cfg, dtype, context, 1, cfg.num_layers, page_size, "consecutive",
                                    torch.Generator().manual_seed(0))
     scale = cfg.head_dim**-0.5
+    tiles = cpu_paged_attention.tune_prefetch([(pool.kv[i, 0], pool.kv[i, 1]) for i in range(cfg.num_layers)],
+                                              cfg.num_heads).tiles
     time_attention(cpu_paged_attention.paged_attention, pool, meta, q, scale)  # warm-up
     ms = median([time_attention(cpu_paged_attention.paged_attention, pool, meta, q, scale) for _ in range(repeats)])
     del pool
     gc.collect()
     reads.append(read_bandwidth(5, huge_pages=True))
-    return ms * 1e3, median(reads)
+    return ms * 1e3, median(reads), tiles
 
 
 def start_systems(systems: list[str], path: Path, reqs: list[Request], dtype: str, threads: int, args, log: Path,
@@ -300,7 +304,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
                 if "ours" in systems else None)
         if attn is not None:
             _, kv_attn = step_bytes(cfg, getattr(torch, dtype).itemsize, row["context"])
-            row["attention_ms"], row["attention_read_GBps"] = attn
+            row["attention_ms"], row["attention_read_GBps"], row["attention_prefetch"] = attn
             row["attention_GBps"] = kv_attn / row["attention_ms"] / 1e6
             # Against a read of memory like the pool's (huge pages), taken beside it: the run's 4 KB read
             # above is minutes away from it and on other pages (docs/bench_cpu_attention.md, round 5).
@@ -377,7 +381,7 @@ def report(res: dict) -> str:
     systems = [s for s in res["systems_requested"] if any(s in r["systems"] for r in res["rows"])]
     heads = (["dtype", "threads", "context", "vCPUs", "read GB/s", "bound ms"] + [f"{s} ms" for s in systems]
              + [f"ours/{p}" for p in PEERS if p in systems and "ours" in systems]
-             + ["attn ms", "attn GB/s", "attn read GB/s", "attn/read"])
+             + ["attn ms", "attn GB/s", "attn read GB/s", "attn/read", "prefetch"])
     rows = []
     for r in res["rows"]:
         ms = [fmt(r["systems"].get(s, {}).get("ms_per_token")) for s in systems]
@@ -385,7 +389,7 @@ def report(res: dict) -> str:
         vcpus = ",".join(map(str, r["pin"])) if r.get("pin") else "any"
         rows.append([r["dtype"], r["threads"], r["context"], vcpus, r["read_GBps"], r["bound_ms"], *ms, *ratios,
                      fmt(r.get("attention_ms")), fmt(r.get("attention_GBps")), fmt(r.get("attention_read_GBps")),
-                     fmt(r.get("attention_share_of_read"), ".2f")])
+                     fmt(r.get("attention_share_of_read"), ".2f"), fmt(r.get("attention_prefetch"), "d")])
     lines = [table(heads, rows), ""]
     heads = ["dtype", "threads", "context", "system", "ms/token", "p10 ms", "p90 ms", "mean ms", "steps", "step GB/s",
              "prefill s", "greedy agree"]
@@ -417,7 +421,8 @@ def report(res: dict) -> str:
         "torch sum over 1 GiB, same threads, median of before and after the systems ran; attn: our C++ paged "
         "attention alone over every layer at the context, one query; attn read: the same sum over 1 GiB on huge "
         "pages, as the KV pool is placed, just before and after the attention (median), which attn/read is "
-        "against; step GB/s: the bound's bytes over ms; "
+        "against; prefetch: the tiles the attention prefetches ahead (0: none), as tuned on its pool "
+        "(kernels/cpu_paged_attention.tune_prefetch); step GB/s: the bound's bytes over ms; "
         "greedy agree: share of the first request's tokens equal to ours before the first difference (random "
         f"weights: near-flat logits); llama.cpp GGUF: {res['llamacpp_gguf']}")
     lines.append(f"wall: {res['wall_s']:.0f} s; 1-minute load average before / after: "

@@ -39,7 +39,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, int64_t)> silu_mul;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)> linear;
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, double, int64_t, int64_t, int64_t, Tensor)>
+                                const Tensor&, double, int64_t, int64_t, int64_t, int64_t, Tensor)>
       attention;
 };
 
@@ -58,7 +58,7 @@ const Ops& ops() {
       handle<Tensor(const Tensor&, int64_t)>("agentkv_cpu_fused::silu_mul"),
       handle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("agentkv_cpu_linear::linear"),
       handle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                  int64_t, int64_t, int64_t, Tensor)>("agentkv_cpu::paged_attention_few"),
+                  int64_t, int64_t, int64_t, int64_t, Tensor)>("agentkv_cpu::paged_attention_few"),
   };
   return o;
 }
@@ -114,11 +114,11 @@ struct Layers : torch::CustomClassHolder {
   // first t as [t, heads, head_dim]) and the o projection reads
   // (ForwardScratch.attention_rows). Every sequence must have at most
   // max_queries queries (the caller runs longer chunks in Python, where the
-  // reference attention takes them); max_queries and split are passed on to
-  // the attention. Returns fp32 logits at logit_indices, or at all t tokens.
+  // reference attention takes them); max_queries, split and prefetch are passed
+  // on to the attention. Returns fp32 logits at logit_indices, or at all t tokens.
   Tensor forward(Tensor h, Tensor o_rows, Tensor positions, Tensor slot_mapping, Tensor cu_seqlens_q,
                  Tensor seq_lens, Tensor block_tables, OptTensor logit_indices, int64_t max_queries,
-                 int64_t split) const {
+                 int64_t split, int64_t prefetch) const {
     c10::InferenceMode guard;
     const Ops& f = ops();
     const int64_t t = positions.size(0), rows = h.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
@@ -143,7 +143,7 @@ struct Layers : torch::CustomClassHolder {
       const Tensor v = qkv.as_strided({t, hkv, d}, {s0, d, 1}, off + (hq + hkv) * d);
       f.rope_and_store.call(q, k, v, cos, sin, l.k_cache, l.v_cache, positions, slot_mapping);
       f.attention.call(q, l.k_cache, l.v_cache, cu_seqlens_q, seq_lens, block_tables, scale, l.window, max_queries,
-                       split, o_heads);
+                       split, prefetch, o_heads);
       h = l.o(o_rows);
       std::tie(x, residual) = f.add_rmsnorm.call(h, residual, l.mlp_norm, eps);
       h = l.down(f.silu_mul.call(l.gate_up(x), vector_bytes));

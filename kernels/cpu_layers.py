@@ -97,4 +97,5 @@ def forward(
     return loop.forward(
         h, o_rows, meta.positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
         logit_indices, cpu_paged_attention.MAX_QUERIES[h.dtype], cpu_paged_attention.SPLIT,
+        cpu_paged_attention.prefetch_tiles(),
     )

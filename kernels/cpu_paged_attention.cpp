@@ -23,8 +23,6 @@ namespace {
 
 using namespace agentkv;
 
-constexpr int64_t kPrefetchKeys = 2 * kLanes;  // 4 and 8 tiles ahead measured slower (round 4)
-
 inline float hmax(v16f v) {
   v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -66,6 +64,8 @@ inline v16f fold34(v16f a, v16f b) {
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
 
+constexpr int64_t kMaxPrefetchTiles = 16;
+
 inline int64_t acc_offset(int64_t rows) { return (2 * rows + kLanes - 1) / kLanes * kLanes; }
 
 // Rows processed together: each key and value vector loaded from the tile is
@@ -78,7 +78,7 @@ struct TileMask {
   int64_t first_pos, group, start, n, window;
 };
 
-// The tile kPrefetchKeys ahead when it lies in one page (keys at one stride):
+// The tile some tiles ahead when it lies in one page (keys at one stride):
 // each key's lines are prefetched as the same key of this tile is read, so
 // that the requests are spread over the tile rather than issued in a burst.
 template <int64_t Bytes>  // of one key
@@ -91,6 +91,14 @@ struct Ahead {
   }
   void k_key(int i) const { key(k, k_stride, i); }
   void v_key(int i) const { key(v, v_stride, i); }
+};
+
+// No software prefetch: the hardware prefetchers alone, which on some hosts
+// of this CPU feed the kernel faster than they do with the prefetches beside
+// them (kernels/cpu_paged_attention.py, choose_prefetch).
+struct NoAhead {
+  void k_key(int) const {}
+  void v_key(int) const {}
 };
 
 // One score vector per row for the tile's 16 keys: dot(i, d) writes key i's
@@ -239,12 +247,12 @@ inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uin
 // output (m, l, acc[D]) per row in part. Keys go in tiles of 16 logical
 // positions (across pages when pages are smaller): per row, one vector of 16
 // scores, one online-softmax update, 16 value rows accumulated. Keys up to
-// s_len (the next split's) are prefetched.
-template <typename T, int NV>
+// s_len (the next split's) are prefetched `ahead` tiles ahead when kPrefetch.
+template <typename T, int NV, bool kPrefetch>
 void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k, const T* v,
                   const Strides& ks, const Strides& vs, const int32_t* table, int64_t page_size, int64_t kv_head,
                   int64_t group, int64_t num_q, int64_t first_pos, int64_t window, int64_t key_lo, int64_t key_hi,
-                  int64_t s_len, float scale, float* part, std::vector<v16f>& scratch) {
+                  int64_t s_len, int64_t ahead_tiles, float scale, float* part, std::vector<v16f>& scratch) {
   constexpr int64_t D = NV * kLanes;
   constexpr bool dp = kDotBf16<T, NV>;
   const int64_t rows = group * num_q;
@@ -268,7 +276,7 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
   // A tile lies within one page when pages hold whole tiles (one table read
   // per tile); smaller pages are looked up per key.
   const bool one_page = page_size % kLanes == 0;
-  using Prefetch = Ahead<D * sizeof(T)>;
+  using Prefetch = std::conditional_t<kPrefetch, Ahead<D * sizeof(T)>, NoAhead>;
   for (int64_t start = key_lo; start < key_hi; start += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, key_hi - start);
     const int64_t tile_page = one_page ? table[start / page_size] : 0, tile_slot = start % page_size;
@@ -284,20 +292,22 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
       kp[i] = k + page * ks.page + kv_head * ks.head + slot * ks.slot;
       vp[i] = v + page * vs.page + kv_head * vs.head + slot * vs.slot;
     }
-    // The tile kPrefetchKeys ahead, so that its reads overlap this math: the
-    // loads stalled on memory without it.
+    // The tile ahead_tiles ahead, so that its reads overlap this math where
+    // the hardware prefetchers alone leave the loads stalled on memory.
     Prefetch ahead;
-    const int64_t next = start + kPrefetchKeys;
-    if (one_page && next < s_len) {
-      const int64_t page = table[next / page_size], slot = next % page_size;
-      ahead = {reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot),
-               reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot),
-               int64_t(ks.slot * sizeof(T)), int64_t(vs.slot * sizeof(T))};
-    } else {
-      for (int64_t pos = next, end = std::min(s_len, next + kLanes); pos < end; ++pos) {
-        const int64_t page = table[pos / page_size], slot = pos % page_size;
-        Prefetch::key(reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot), 0, 0);
-        Prefetch::key(reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot), 0, 0);
+    if constexpr (kPrefetch) {
+      const int64_t next = start + ahead_tiles * kLanes;
+      if (one_page && next < s_len) {
+        const int64_t page = table[next / page_size], slot = next % page_size;
+        ahead = {reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot),
+                 reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot),
+                 int64_t(ks.slot * sizeof(T)), int64_t(vs.slot * sizeof(T))};
+      } else {
+        for (int64_t pos = next, end = std::min(s_len, next + kLanes); pos < end; ++pos) {
+          const int64_t page = table[pos / page_size], slot = pos % page_size;
+          Prefetch::key(reinterpret_cast<const char*>(k + page * ks.page + kv_head * ks.head + slot * ks.slot), 0, 0);
+          Prefetch::key(reinterpret_cast<const char*>(v + page * vs.page + kv_head * vs.head + slot * vs.slot), 0, 0);
+        }
       }
     }
     // Only a tile past the first query's position, reaching below the last
@@ -331,7 +341,7 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
 template <typename T, int NV>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
          const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
-         int64_t max_queries, int64_t split, at::Tensor& out) {
+         int64_t max_queries, int64_t split, int64_t prefetch, at::Tensor& out) {
   constexpr int64_t D = NV * kLanes;
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -380,9 +390,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
-      attend_split<T, NV>(qp + cu[it.seq] * qt, qt, qh, kp, vp, ks, vs, tables + it.seq * table_stride, page_size,
-                          it.head, group, num_q, lens[it.seq] - num_q, window, it.key_lo, it.key_hi, lens[it.seq], float(scale),
-                          parts + it.part, scratch);
+      auto attend = prefetch > 0 ? attend_split<T, NV, true> : attend_split<T, NV, false>;
+      attend(qp + cu[it.seq] * qt, qt, qh, kp, vp, ks, vs, tables + it.seq * table_stride, page_size, it.head, group,
+             num_q, lens[it.seq] - num_q, window, it.key_lo, it.key_hi, lens[it.seq], prefetch, float(scale),
+             parts + it.part, scratch);
     }
   });
 
@@ -423,11 +434,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 template <typename T>
 void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
              const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
-             int64_t max_queries, int64_t split, at::Tensor& out) {
+             int64_t max_queries, int64_t split, int64_t prefetch, at::Tensor& out) {
   switch (q.size(2) / kLanes) {
 #define AGENTKV_DIM(nv) \
   case nv:              \
-    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, max_queries, split, out);
+    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, max_queries, split, prefetch, \
+                      out);
     AGENTKV_DIM(1) AGENTKV_DIM(2) AGENTKV_DIM(3) AGENTKV_DIM(4) AGENTKV_DIM(5) AGENTKV_DIM(6) AGENTKV_DIM(7)
     AGENTKV_DIM(8)
 #undef AGENTKV_DIM
@@ -435,17 +447,21 @@ void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 }
 
 // Fills out's rows of every sequence with at most max_queries queries; the
-// rows of longer ones are left to the caller.
+// rows of longer ones are left to the caller. prefetch: tiles of 16 keys read
+// ahead by software prefetch, 0 for none (the result's bits are the same).
 void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                         double scale, int64_t window, int64_t max_queries, int64_t split, at::Tensor out) {
+                         double scale, int64_t window, int64_t max_queries, int64_t split, int64_t prefetch,
+                         at::Tensor out) {
   check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out);
   TORCH_CHECK(split > 0 && split % kLanes == 0, "split must be a positive multiple of 16");
+  TORCH_CHECK(prefetch >= 0 && prefetch <= kMaxPrefetchTiles, "prefetch must be 0..", kMaxPrefetchTiles, " tiles");
   if (q.scalar_type() == at::kFloat)
-    run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split, out);
+    run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split,
+                   prefetch, out);
   else if (q.scalar_type() == at::kBFloat16)
     run_dim<uint16_t>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split,
-                      out);
+                      prefetch, out);
   else
     TORCH_CHECK(false, "float32 or bfloat16 only, not ", q.scalar_type());
 }
@@ -454,6 +470,6 @@ void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const a
 
 TORCH_LIBRARY(agentkv_cpu, m) {
   m.def("paged_attention_few(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int window, int max_queries, int split, Tensor(a!) out) -> ()");
+        "Tensor block_tables, float scale, int window, int max_queries, int split, int prefetch, Tensor(a!) out) -> ()");
   m.impl("paged_attention_few", c10::DispatchKey::CPU, &paged_attention_few);
 }

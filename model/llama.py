@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels import AttnMetadata, cpu_layers, reference
+from kernels import AttnMetadata, cpu_layers, cpu_paged_attention, reference
 from kernels.metadata import bucket
 from model import packed_linear
 from model.config import ModelConfig
@@ -231,6 +231,8 @@ class ForwardScratch:
                                                      b.mlp.down_weight)] + [model.lm_head]
         try:
             loop = _make_loop(model, packed, self.layers)
+            if kept is None:  # the pool's first loop: time the attention's prefetch on its pages
+                cpu_paged_attention.tune_prefetch(self.layers, model.cfg.num_heads)
         except RuntimeError as e:  # another extension's op missing or changed: the Python loop runs
             if not _warned_loop:
                 _warned_loop.append(str(e))

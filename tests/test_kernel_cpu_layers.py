@@ -135,6 +135,20 @@ def test_weights_written_in_place_are_seen(monkeypatch):
     assert steps.scratch.layer_loop(model) is None
 
 
+def test_a_pools_first_loop_tunes_the_attentions_prefetch_on_its_pages(monkeypatch):
+    model = model_of("llama", torch.float32)
+    steps = Steps(model, 1)
+    calls = []
+    monkeypatch.setattr(cpu_paged_attention, "tune_prefetch", lambda caches, heads: calls.append((caches, heads)))
+    loop = steps.scratch.layer_loop(model)
+    assert len(calls) == 1 and calls[0][1] == model.cfg.num_heads
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in calls[0][0]] == [
+        (k.data_ptr(), v.data_ptr()) for k, v in steps.scratch.layers
+    ]
+    random_init(model, 9)  # the loop is made again, over the same pool: not timed again
+    assert steps.scratch.layer_loop(model) is not loop and len(calls) == 1
+
+
 def test_a_failed_build_keeps_the_python_loop_with_one_warning(monkeypatch):
     model = model_of("llama", torch.float32)
     steps = Steps(model, 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import shutil
 import subprocess
+import time
 import warnings
 
 import pytest
@@ -74,10 +75,25 @@ def case_id(c) -> str:
     return f"p{c[0]}-h{c[1][0]}:{c[1][1]}-d{c[2]}-w{c[4]}-{'scattered' if c[5] else 'consecutive'}"
 
 
+def use_prefetch(monkeypatch, tiles: int) -> None:
+    """Every later call of the kernel prefetches `tiles` tiles ahead (0: none)."""
+    monkeypatch.setenv(cpu_paged_attention.PREFETCH_ENV, str(tiles))
+    cpu_paged_attention.tune_prefetch([], 1)
+    assert cpu_paged_attention.prefetch_tiles() == tiles
+
+
+@pytest.fixture(autouse=True)
+def keep_tuning(monkeypatch):
+    monkeypatch.setattr(cpu_paged_attention, "_tuning", cpu_paged_attention.tuning())
+    monkeypatch.setattr(cpu_paged_attention, "_tuned_pool", ())
+
+
+@pytest.mark.parametrize("prefetch", cpu_paged_attention.PREFETCH_CHOICES, ids=lambda p: f"prefetch{p}")
 @pytest.mark.parametrize("split", [16, 32, cpu_paged_attention.SPLIT], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_naive(case, dtype, split, monkeypatch):
+def test_matches_naive(case, dtype, split, prefetch, monkeypatch):
+    use_prefetch(monkeypatch, prefetch)
     monkeypatch.setattr(cpu_paged_attention, "SPLIT", split)
     # Up to 16 queries here in both dtypes; the 17- and 20-query chunks take the reference.
     monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
@@ -192,3 +208,78 @@ def test_the_built_kernel_prefetches():
     lib = ext.build_directory() / f"{ext.build_name()}.so"
     disassembly = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "prefetcht0" in disassembly
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5]], ids=case_id)
+def test_the_prefetch_distance_does_not_change_a_bit(case, dtype, monkeypatch):
+    monkeypatch.setattr(cpu_paged_attention, "SPLIT", 32)
+    q, k_cache, v_cache, meta = build(case, dtype)
+    outs = []
+    for tiles in (0, 1, 2, 5, cpu_paged_attention.MAX_PREFETCH):
+        use_prefetch(monkeypatch, tiles)
+        outs.append(cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125, case[4]))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_a_prefetch_distance_out_of_range_is_refused():
+    q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
+    op = cpu_paged_attention.extension.load()
+    out = torch.zeros_like(q)
+    for tiles in (-1, cpu_paged_attention.MAX_PREFETCH + 1):
+        with pytest.raises(RuntimeError, match="prefetch must be"):
+            op(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.25, 0, 32, 512, tiles, out)
+    assert not out.any()
+
+
+def tuning_pool(layers: int = 3, pages: int = 40, dtype=torch.float32):
+    kv = torch.randn(layers, 2, 2, pages, 16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return kv, [(kv[i, 0].permute(1, 2, 0, 3), kv[i, 1].permute(1, 2, 0, 3)) for i in range(layers)]
+
+
+def test_tuning_keeps_the_faster_choice_measured_on_the_pool(monkeypatch):
+    """Each choice is timed over the given caches (within the budget) and the
+    faster kept: here one choice is made slower on purpose, each way round.
+    The pool is only read, and the global RNG is left alone."""
+    monkeypatch.delenv(cpu_paged_attention.PREFETCH_ENV, raising=False)
+    kv, caches = tuning_pool()
+    before, rng = kv.clone(), torch.get_rng_state()
+    real = cpu_paged_attention.extension.load()
+    calls = []
+    for slow in cpu_paged_attention.PREFETCH_CHOICES:
+        def op(*args, slow=slow):
+            calls.append((args[1].data_ptr(), int(args[4].max()), args[-2]))
+            if args[-2] == slow:
+                time.sleep(0.003)
+            return real(*args)
+        monkeypatch.setattr(cpu_paged_attention.extension, "load", lambda: op)
+        budget = 20 * 2 * 16 * 2 * 32 * 4  # 20 pages of K and V of one layer
+        t = cpu_paged_attention.tune_prefetch(caches, 4, budget_bytes=budget, repeats=3)
+        assert t.tiles != slow and cpu_paged_attention.prefetch_tiles() == t.tiles
+        assert set(t.ms) == set(cpu_paged_attention.PREFETCH_CHOICES) and t.ms[slow] > t.ms[t.tiles]
+        assert (t.layers, t.keys, t.threads) == (1, 320, torch.get_num_threads())
+        # Only the first layer was read, over the 320 keys of its first 20 pages.
+        assert {c[0] for c in calls} == {caches[0][0].data_ptr()} and {c[1] for c in calls} == {320}
+        calls.clear()
+        # The same pool again: the choice stands, untimed.
+        assert cpu_paged_attention.tune_prefetch(caches, 4, budget_bytes=budget, repeats=3) is t and not calls
+        monkeypatch.setattr(cpu_paged_attention, "_tuned_pool", ())
+    t = cpu_paged_attention.tune_prefetch(caches, 4, repeats=1)  # the default budget holds the whole pool
+    assert (t.layers, t.keys) == (3, 640) and {c[0] for c in calls} == {k.data_ptr() for k, _ in caches}
+    assert torch.equal(kv, before) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_environment_fixes_the_choice_without_timing(monkeypatch):
+    monkeypatch.setenv(cpu_paged_attention.PREFETCH_ENV, "1")
+    monkeypatch.setattr(cpu_paged_attention.extension, "load", lambda: pytest.fail("timed"))
+    t = cpu_paged_attention.tune_prefetch(tuning_pool()[1], 4)
+    assert t.tiles == 1 and t.ms == {} and cpu_paged_attention.prefetch_tiles() == 1
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "17", "2.5", ""])
+def test_a_bad_environment_value_is_refused_and_changes_nothing(value, monkeypatch):
+    monkeypatch.setenv(cpu_paged_attention.PREFETCH_ENV, value)
+    before = cpu_paged_attention.tuning()
+    with pytest.raises(ValueError, match=cpu_paged_attention.PREFETCH_ENV):
+        cpu_paged_attention.tune_prefetch(tuning_pool()[1], 4)
+    assert cpu_paged_attention.tuning() is before
