@@ -88,6 +88,9 @@ class PersistentBuffer:
         self.allocations = 0
         self.host = self.tensor = torch.empty(self.shape(0), dtype=dtype)
         self.np: np.ndarray = self.host.numpy()
+        # Slicing a tensor is a dispatched op: a step of the last one's shape
+        # reuses its views (rows, cols, host view, device view).
+        self._last_view: tuple | None = None
 
     def shape(self, rows: int) -> tuple[int, ...]:
         return (rows,) if self.width is None else (rows, self.width)
@@ -104,16 +107,21 @@ class PersistentBuffer:
         self.host = torch.zeros(self.shape(self.rows), dtype=self.dtype, pin_memory=pin)
         self.tensor = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
         self.np = self.host.numpy()
+        self._last_view = None
         self.allocations += 1
         return True
 
     def view(self, rows: int, cols: int | None = None) -> torch.Tensor:
         """The device tensor's first rows (and cols), after copying them there."""
-        host = self.host[:rows] if cols is None else self.host[:rows, :cols]
-        if self.tensor is self.host:
-            return host
-        dev = self.tensor[:rows] if cols is None else self.tensor[:rows, :cols]
-        dev.copy_(host)
+        last = self._last_view
+        if last is not None and last[0] == rows and last[1] == cols:
+            host, dev = last[2], last[3]
+        else:
+            host = self.host[:rows] if cols is None else self.host[:rows, :cols]
+            dev = host if self.tensor is self.host else self.tensor[:rows] if cols is None else self.tensor[:rows, :cols]
+            self._last_view = rows, cols, host, dev
+        if dev is not host:
+            dev.copy_(host)
         return dev
 
 
@@ -136,6 +144,7 @@ class StepBuffers:
         self._positions = PersistentBuffer(torch.int64, device)
         self._tables = PersistentBuffer(torch.int32, device, width=0)
         self._rows: list[list[int]] = []  # what each row of the tables buffer holds, zeros after it
+        self._cu_of: list[int] | None = None  # the query_lens the offsets buffer holds
 
     @property
     def allocations(self) -> int:
@@ -145,7 +154,9 @@ class StepBuffers:
         """Size the buffers now for steps of up to seqs sequences, pages pages
         each and tokens tokens in all, so that no such step grows (moves)
         them: a captured CUDA graph reads the addresses it was captured with."""
-        for buf, rows in ((self._cu, seqs + 1), (self._seq_lens, seqs), (self._slots, tokens), (self._positions, tokens)):
+        if self._cu.ensure(seqs + 1):
+            self._cu_of = None
+        for buf, rows in ((self._seq_lens, seqs), (self._slots, tokens), (self._positions, tokens)):
             buf.ensure(rows)
         if self._tables.ensure(seqs, pages):
             self._rows = []
@@ -170,28 +181,36 @@ class StepBuffers:
         n_seqs = len(query_lens)
         width = max(map(len, block_tables))
         self._fill_tables(block_tables, width)
-        q = np.asarray(query_lens, dtype=np.int64)
-        s = np.asarray(seq_lens, dtype=np.int64)
-        self._cu.ensure(n_seqs + 1)
-        cu = self._cu.np[: n_seqs + 1]
-        cu[0] = 0
-        np.cumsum(q, out=cu[1:])
-        num_tokens = int(cu[-1])
+        # Decode and fixed-k verify steps repeat their query lengths step
+        # after step: their offsets are already in the buffer.
+        if self._cu.ensure(n_seqs + 1) or query_lens != self._cu_of:
+            cu = self._cu.np[: n_seqs + 1]
+            cu[0] = 0
+            np.cumsum(query_lens, out=cu[1:])
+            self._cu_of = list(query_lens)
+        num_tokens = int(self._cu.np[n_seqs])
         self._seq_lens.ensure(n_seqs)
-        self._seq_lens.np[:n_seqs] = s
+        self._seq_lens.np[:n_seqs] = seq_lens
         self._positions.ensure(num_tokens)
         self._slots.ensure(num_tokens)
-        positions = self._positions.np[:num_tokens]
-        if num_tokens == n_seqs:  # one token each (decodes): its position is the last
-            seq_of_token = np.arange(n_seqs)
-            np.subtract(s, 1, out=positions)
+        if num_tokens == n_seqs:
+            # One token each (decodes), at the sequence's last position. A few
+            # Python ints cost less than the numpy ops of the general case,
+            # which right after a forward find their code out of the caches.
+            positions = [s - 1 for s in seq_lens]
+            self._positions.np[:n_seqs] = positions
+            self._slots.np[:n_seqs] = [t[p // ps] * ps + p % ps for t, p in zip(block_tables, positions)]
         else:
+            q = np.asarray(query_lens, dtype=np.int64)
+            s = np.asarray(seq_lens, dtype=np.int64)
+            cu = self._cu.np[: n_seqs + 1]
+            positions = self._positions.np[:num_tokens]
             # Token t of the step, the j-th of sequence i's chunk (t = cu[i] + j),
             # sits at position seq_len - query_len + j.
             seq_of_token = np.repeat(np.arange(n_seqs), q)
             np.add(np.repeat(s - q - cu[:-1], q), np.arange(num_tokens), out=positions)
-        pages = self._tables.np[seq_of_token, positions // ps]
-        np.add(np.multiply(pages, ps, dtype=np.int64), positions % ps, out=self._slots.np[:num_tokens])
+            pages = self._tables.np[seq_of_token, positions // ps]
+            np.add(np.multiply(pages, ps, dtype=np.int64), positions % ps, out=self._slots.np[:num_tokens])
         return AttnMetadata(
             cu_seqlens_q=self._cu.view(n_seqs + 1),
             seq_lens=self._seq_lens.view(n_seqs),

@@ -85,6 +85,25 @@ def test_buffers_grow_by_powers_of_two_and_bad_input_changes_nothing():
     assert torch.equal(buffers.build([3], [5], [[7, 8]]).slot_mapping, meta.slot_mapping)
 
 
+def test_repeated_steps_reuse_offsets_and_views_until_a_buffer_is_remade():
+    buffers = StepBuffers(PS)
+    tables = [[3, 4], [5, 6, 7]]
+    first = buffers.build([1, 1], [5, 9], tables)
+    # The next decode step of the same sequences: the same views, new contents.
+    second = buffers.build([1, 1], [6, 10], [[3, 4], [5, 6, 7]])
+    assert all(getattr(second, name) is getattr(first, name) for name in FIELDS)
+    for step in (([1, 1], [6, 10], tables), ([2, 1], [8, 10], tables), ([1, 1], [7, 11], tables)):
+        got, want = buffers.build(*step), AttnMetadata.build(*step, PS)
+        assert all(torch.equal(getattr(got, name), getattr(want, name)) for name in FIELDS)
+    # Growing a buffer remakes it (zeros): the offsets of the same query
+    # lengths are written again, not taken for still there.
+    buffers.reserve(seqs=64, pages=16, tokens=64)
+    step = ([1, 1], [8, 12], tables)
+    got, want = buffers.build(*step), AttnMetadata.build(*step, PS)
+    assert got.cu_seqlens_q.tolist() == [0, 1, 2]
+    assert all(torch.equal(getattr(got, name), getattr(want, name)) for name in FIELDS)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("step-buffers")
