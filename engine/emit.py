@@ -66,7 +66,8 @@ def _verify(target: list[torch.Tensor], drafts: list[list[int]], uniforms: torch
         # take each row's argmax, ties to the lowest index as torch.argmax
         # does; one op and one transfer instead of its metadata (about 15
         # ops a step).
-        return [Verdict(0, t) for t in torch.cat(target).argmax(-1).tolist()]
+        rows = target[0] if len(target) == 1 else torch.cat(target)
+        return [Verdict(0, t) for t in rows.argmax(-1).tolist()]
     device = target[0].device
     width = _width(drafts)
     padded = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64, device=device)

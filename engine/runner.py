@@ -73,6 +73,8 @@ class ModelRunner:
             raise
         for it in items:
             it.table.advance(len(it.tokens))
+        if len(items) == 1:  # a split is a dispatched op, and a costly one right after a forward
+            return [logits]
         return list(logits.split([it.num_logits for it in items]))
 
     def _forward(self, items: list[StepItem]) -> torch.Tensor:
