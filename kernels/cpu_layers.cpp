@@ -8,9 +8,11 @@
 // what goes is the Python between them (about 1.4 ms a step on the embedded
 // model, against 2.5 ms of ops: docs/bench_host_step.md).
 //
-// A Layers object is made once per (packed weights, page pool): the layers'
-// weights, packed linears and K/V page views are handed over then, and a step
-// passes only its activations and metadata.
+// A Layers object is made once per (packed weights, page pool): the embedding
+// table, the layers' weights, packed linears and K/V page views are handed
+// over then, and a step passes only its token ids and metadata. The lookup is
+// the loop's too: after a forward has streamed the K/V through the caches, a
+// torch op called from Python costs tens of microseconds more than from here.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
@@ -81,16 +83,19 @@ struct Layer {
 struct Layers : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim, vector_bytes;
   double eps, scale;
-  Tensor cos, sin, final_norm;
+  Tensor embed, cos, sin, final_norm;
   Linear lm_head;
   std::vector<Layer> layers;
 
-  Layers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, Tensor cos, Tensor sin,
-         Tensor final_norm, Tensor lm_head, int64_t vocab, int64_t vector_bytes)
-      : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), vector_bytes(vector_bytes), eps(eps), scale(scale), cos(std::move(cos)), sin(std::move(sin)),
+  Layers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, Tensor embed,
+         Tensor cos, Tensor sin, Tensor final_norm, Tensor lm_head, int64_t vocab, int64_t vector_bytes)
+      : num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), vector_bytes(vector_bytes), eps(eps),
+        scale(scale), embed(std::move(embed)), cos(std::move(cos)), sin(std::move(sin)),
         final_norm(std::move(final_norm)), lm_head{std::move(lm_head), c10::nullopt, vocab} {
     TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                       "heads must be positive, num_heads a multiple of num_kv_heads");
+    TORCH_CHECK_VALUE(this->embed.dim() == 2 && this->embed.size(1) == this->final_norm.numel(),
+                      "embed must be [vocab, hidden]");
     ops();  // every handle looked up now: a missing or changed op fails here, not mid-step
   }
 
@@ -109,25 +114,24 @@ struct Layers : torch::CustomClassHolder {
                       window});
   }
 
-  // h [R, hidden]: the step's embedded rows, its t tokens then R - t padding
-  // rows; o_rows [R, heads * head_dim], the rows the attention writes (its
+  // ids [R]: the step's t tokens then R - t valid ids run as padding rows; o_rows [R, heads * head_dim], the rows the attention writes (its
   // first t as [t, heads, head_dim]) and the o projection reads
   // (ForwardScratch.attention_rows). Every sequence must have at most
   // max_queries queries (the caller runs longer chunks in Python, where the
   // reference attention takes them); max_queries, split and prefetch are passed
   // on to the attention. Returns fp32 logits at logit_indices, or at all t tokens.
-  Tensor forward(Tensor h, Tensor o_rows, Tensor positions, Tensor slot_mapping, Tensor cu_seqlens_q,
+  Tensor forward(const Tensor& ids, Tensor o_rows, Tensor positions, Tensor slot_mapping, Tensor cu_seqlens_q,
                  Tensor seq_lens, Tensor block_tables, OptTensor logit_indices, int64_t max_queries,
                  int64_t split, int64_t prefetch) const {
     c10::InferenceMode guard;
     const Ops& f = ops();
-    const int64_t t = positions.size(0), rows = h.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
+    const int64_t t = positions.size(0), rows = ids.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
     TORCH_CHECK_VALUE(!layers.empty(), "no layers added");
-    TORCH_CHECK_VALUE(h.dim() == 2 && t <= rows && slot_mapping.size(0) == t, "h must be [R >= T, hidden]");
+    TORCH_CHECK_VALUE(ids.dim() == 1 && t <= rows && slot_mapping.size(0) == t, "ids must be [R >= T]");
     TORCH_CHECK_VALUE(o_rows.dim() == 2 && o_rows.size(0) == rows && o_rows.size(1) == hq * d && o_rows.is_contiguous(),
                       "o_rows must be a contiguous [R, num_heads * head_dim]");
     const Tensor o_heads = o_rows.narrow(0, 0, t).view({t, hq, d});
-    Tensor x, residual;
+    Tensor h = at::embedding(embed, ids), x, residual;  // an id out of the vocabulary: IndexError, nothing written
     for (const Layer& l : layers) {
       if (residual.defined()) {
         std::tie(x, residual) = f.add_rmsnorm.call(h, residual, l.attn_norm, eps);
@@ -162,7 +166,8 @@ struct Layers : torch::CustomClassHolder {
 
 TORCH_LIBRARY(agentkv_cpu_layers, m) {
   m.class_<Layers>("Layers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, Tensor, Tensor, Tensor, Tensor, int64_t, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
+                       int64_t>())
       .def("add_layer", &Layers::add_layer)
       .def("forward", &Layers::forward);
 }

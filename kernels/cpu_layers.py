@@ -9,9 +9,10 @@ the C++ attention, and every sequence of the step within that attention's
 MAX_QUERIES (a longer prefill chunk needs the reference attention, which the
 Python loop keeps).
 
-Prepared once per (packed weights, page pool) by make: the layers' norms,
-packed linears, biases and K/V page views are handed over then; a step
-passes its rows and metadata (forward).
+Prepared once per (packed weights, page pool) by make: the embedding table,
+the layers' norms, packed linears, biases and K/V page views are handed over
+then; a step passes its token ids and metadata (forward), and the loop looks
+the ids up itself.
 
 The extension is compiled on first use (kernels/cpu_extension.py); without a
 compiler, CpuKernelUnavailable, and kernels.select keeps the Python loop
@@ -59,19 +60,20 @@ def make(
     num_kv_heads: int,
     head_dim: int,
     eps: float,
+    embed: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     final_norm: torch.Tensor,
     lm_head: PackedLinear,
 ) -> torch.ScriptObject:
     """The loop over layers with caches[i] = layer i's (K pages, V pages)
-    [P, page_size, Hkv, D]; the attention's scale is head_dim ** -0.5, as
-    model/llama.py's. Raises ValueError (or RuntimeError where another
+    [P, page_size, Hkv, D], after a lookup in embed [vocab, hidden]; the
+    attention's scale is head_dim ** -0.5, as model/llama.py's. Raises ValueError (or RuntimeError where another
     extension's op is missing or changed) before anything is kept."""
     if len(layers) != len(caches) or not layers:
         raise ValueError(f"one (K, V) pair per layer: {len(layers)} layers, {len(caches)} caches")
     loop = extension.load()(
-        num_heads, num_kv_heads, head_dim, eps, head_dim**-0.5, cos, sin, final_norm, lm_head.data,
+        num_heads, num_kv_heads, head_dim, eps, head_dim**-0.5, embed, cos, sin, final_norm, lm_head.data,
         lm_head.out_features, cpu_fused_ops.VECTOR_BYTES,
     )
     for w, (k_cache, v_cache) in zip(layers, caches):
@@ -88,14 +90,15 @@ def runs(meta: AttnMetadata, dtype: torch.dtype) -> bool:
 
 
 def forward(
-    loop: torch.ScriptObject, h: torch.Tensor, o_rows: torch.Tensor, meta: AttnMetadata, logit_indices: torch.Tensor | None
+    loop: torch.ScriptObject, ids: torch.Tensor, o_rows: torch.Tensor, meta: AttnMetadata,
+    logit_indices: torch.Tensor | None,
 ) -> torch.Tensor:
     """fp32 logits at the integer logit_indices (at all meta.num_tokens tokens when None)
-    of the step whose embedded rows are h [R, hidden] (T tokens, then padding
+    of the step whose token ids are ids [R] (T tokens, then ids run as padding
     rows); o_rows: the [R, heads * head_dim] rows the attention writes
-    (model/llama.py's ForwardScratch.attention_rows). Needs runs(meta, h.dtype)."""
+    (model/llama.py's ForwardScratch.attention_rows). Needs runs(meta, dtype)."""
     return loop.forward(
-        h, o_rows, meta.positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        logit_indices, cpu_paged_attention.MAX_QUERIES[h.dtype], cpu_paged_attention.SPLIT,
+        ids, o_rows, meta.positions, meta.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        logit_indices, cpu_paged_attention.MAX_QUERIES[o_rows.dtype], cpu_paged_attention.SPLIT,
         cpu_paged_attention.prefetch_tiles(),
     )

@@ -169,20 +169,21 @@ class Transformer(nn.Module):
         eps = self.cfg.rms_norm_eps
         if scratch is None or scratch.kv is not kv:
             scratch = ForwardScratch(kv)
-        h = torch.embedding(self.embed, input_ids)  # [R, hidden]; the op F.embedding runs, without its Python checks
         layers = scratch.layers
-        # Chosen once for every layer; the blocks are run through their
-        # forward methods, not Module.__call__ (no hooks are used, and its
-        # bookkeeping is a few microseconds a call, 11 calls a layer).
-        ops = kernels.select(h, layers[0][0])
-        cfg = self.cfg
-        o_rows, o_heads = scratch.attention_rows(h.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, h.dtype)
-        if ops.layer_loop and cpu_layers.runs(meta, h.dtype):
+        # Chosen once for every layer (the embedded rows are like the table);
+        # the blocks are run through their forward methods, not
+        # Module.__call__ (no hooks are used, and its bookkeeping is a few
+        # microseconds a call, 11 calls a layer).
+        ops = kernels.select(self.embed, layers[0][0])
+        cfg, dtype = self.cfg, self.embed.dtype
+        o_rows, o_heads = scratch.attention_rows(input_ids.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, dtype)
+        if ops.layer_loop and cpu_layers.runs(meta, dtype):
             loop = scratch.layer_loop(self)
             if loop is not None:
-                # The same ops in the same order as below, without the Python
-                # between them (kernels/cpu_layers.py).
-                return cpu_layers.forward(loop, h, o_rows, meta, logit_indices)
+                # The lookup and the same ops in the same order as below,
+                # without the Python between them (kernels/cpu_layers.py).
+                return cpu_layers.forward(loop, input_ids, o_rows, meta, logit_indices)
+        h = torch.embedding(self.embed, input_ids)  # [R, hidden]; the op F.embedding runs, without its Python checks
         norm, silu_mul = ops.rmsnorm, ops.silu_mul
         cos, sin = self.cos, self.sin
         residual = None
@@ -286,6 +287,6 @@ def _make_loop(
         for b in model.blocks
     ]
     return cpu_layers.make(
-        layers, caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.cos, model.sin,
-        model.norm, packed.get(model.lm_head),
+        layers, caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, model.embed, model.cos,
+        model.sin, model.norm, packed.get(model.lm_head),
     )

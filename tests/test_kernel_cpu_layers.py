@@ -191,23 +191,26 @@ def test_bad_input_raises_and_changes_nothing(dtype, monkeypatch):
     steps.step([5, 3], monkeypatch)
     before = steps.kv.clone()
     loop = steps.scratch.layer_loop(model)
-    h = torch.zeros(2, 64, dtype=dtype)
+    ids = torch.tensor([1, 2])
     o_rows, _ = steps.scratch.attention_rows(2, 2, 4, 16, dtype)
     meta = AttnMetadata.build([1, 1], [6, 4], steps.tables[:2], PS)
     bad_slot = AttnMetadata.build([1, 1], [6, 4], steps.tables[:2], PS)
     bad_slot.slot_mapping[1] = steps.kv.shape[2] * PS
     with pytest.raises(IndexError, match="slot"):
-        cpu_layers.forward(loop, h, o_rows, bad_slot, None)
+        cpu_layers.forward(loop, ids, o_rows, bad_slot, None)
     bad_pos = AttnMetadata.build([1, 1], [6, 4], steps.tables[:2], PS)
     bad_pos.positions[0] = model.cfg.max_position_embeddings
     with pytest.raises(IndexError, match="position"):
         model(torch.tensor([1, 2]), bad_pos, steps.kv, None, steps.scratch)
     with pytest.raises(ValueError, match="o_rows"):
-        cpu_layers.forward(loop, h, o_rows[:, :32], meta, None)
-    with pytest.raises(ValueError, match="h must be"):
-        cpu_layers.forward(loop, h[:1], o_rows[:1], meta, None)
+        cpu_layers.forward(loop, ids, o_rows[:, :32], meta, None)
+    with pytest.raises(ValueError, match="ids must be"):
+        cpu_layers.forward(loop, ids[:1], o_rows[:1], meta, None)
+    with pytest.raises(IndexError):  # an id past the vocabulary: the lookup stops the step before any write
+        cpu_layers.forward(loop, torch.tensor([1, model.cfg.vocab_size]), o_rows, meta, None)
     assert torch.equal(steps.kv, before)
     with pytest.raises(ValueError, match="one \\(K, V\\) pair per layer"):
-        cpu_layers.make([], [], 4, 2, 16, 1e-6, model.cos, model.sin, model.norm, cpu_linear.pack(model.lm_head))
+        cpu_layers.make([], [], 4, 2, 16, 1e-6, model.embed, model.cos, model.sin, model.norm,
+                        cpu_linear.pack(model.lm_head))
     with pytest.raises(ValueError, match="k_cache and v_cache"):
         llama._make_loop(model, model.packed, [(k[:, :, :1], v[:, :, :1]) for k, v in steps.scratch.layers])
