@@ -17,6 +17,11 @@ size and thread count:
   with and without it): the Python between the ops, in the same run as the
   ops it is set against. The spans of recorded ops are not lengthened by
   the profiler (a tiny op's span is shorter than its unprofiled call).
+- outside the loop = the timed decode's wall - the time its steps spent in
+  the C++ layer loop (kernels/cpu_layers.forward, timed around each call),
+  per step: the Python of the scheduler, the runner and the model around the
+  ops, measured without the profiler; "-" where a step ran no C++ loop (its
+  linears not the C++ kernel's, or a GPU).
 
 Medians of --repeats; the sessions are cut back to --context after each.
 
@@ -38,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from engine import Engine
+from kernels import cpu_layers
 from experiments.common import machine, median, run_dir
 from experiments.report import publish, table
 from model.default import default_model_dir
@@ -93,6 +99,29 @@ def profiler_cost_per_op(n: int = 20000) -> float:
     return max(0.0, profiled - plain) / n
 
 
+class LoopTimer:
+    """Wall seconds spent in the C++ layer loop while it is installed, and
+    the calls: each forward of a step that runs its layers there is one."""
+
+    def __enter__(self) -> "LoopTimer":
+        self.seconds, self.calls = 0.0, 0
+        real = self._real = cpu_layers.forward
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return real(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        cpu_layers.forward = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cpu_layers.forward = self._real
+
+
 def decode(engine: Engine, sessions: list, tokens: int, speculative: bool = False) -> tuple[float, int, float]:
     """Wall seconds, steps and forward seconds of one side-by-side decode."""
     counters = engine.scheduler.counters
@@ -120,11 +149,14 @@ def measure(engine: Engine, batch: int, args, bar) -> dict:
 
     decode(engine, sessions, 4)  # oneDNN sets up its kernels on first use
     reset()
-    walls, per_step, forwards, hosts, op_times, op_counts = [], [], [], [], [], []
+    walls, per_step, forwards, hosts, outside, op_times, op_counts = [], [], [], [], [], [], []
     by_name, count = Counter(), Counter()
     for _ in range(args.repeats):
-        wall, steps, forward = decode(engine, sessions, args.tokens, args.speculative)
+        with LoopTimer() as loop:
+            wall, steps, forward = decode(engine, sessions, args.tokens, args.speculative)
         reset()
+        if loop.calls == steps:
+            outside.append((wall - loop.seconds) / steps)
         walls.append(wall)
         per_step.append(wall / steps)
         forwards.append(forward / steps)
@@ -150,6 +182,7 @@ def measure(engine: Engine, batch: int, args, bar) -> dict:
         "step_ms": step_s * 1e3, "forward_ms": median(forwards) * 1e3,
         "ops_per_step": median(op_counts), "op_ms": median(op_times) * 1e3,
         "host_ms": host_s * 1e3, "host_share": host_s / step_s,
+        "outside_loop_ms": median(outside) * 1e3 if len(outside) == args.repeats else None,
         "top_ops": [{"op": k, "calls": round(count[k], 1), "us": round(v, 1)} for k, v in by_name.most_common(12)],
     }
 
@@ -175,9 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     text = table(
         ["dtype", "threads", "batch", "context", "tok/s", "step ms", "forward ms", "ops/step", "op ms", "host ms",
-         "host %"],
+         "host %", "outside loop ms"],
         [[r["dtype"], r["threads"], r["batch"], r["context"], r["tokens_per_s"], r["step_ms"], r["forward_ms"],
-          r["ops_per_step"], r["op_ms"], r["host_ms"], 100 * r["host_share"]] for r in rows],
+          r["ops_per_step"], r["op_ms"], r["host_ms"], 100 * r["host_share"],
+          "-" if r["outside_loop_ms"] is None else r["outside_loop_ms"]] for r in rows],
     )
     for r in rows:
         text += f"\n\n{r['dtype']}, {r['threads']} thread(s), batch {r['batch']}, top ops per step:\n" + table(
