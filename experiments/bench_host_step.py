@@ -43,9 +43,9 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from engine import Engine
-from kernels import cpu_layers
 from experiments.common import machine, median, run_dir
 from experiments.report import publish, table
+from kernels import cpu_layers
 from model.default import default_model_dir
 
 
