@@ -1,4 +1,5 @@
-"""Command line of the engine.
+"""Command line of the engine (`python serve.py` from the checkout, or
+`python -m agentkv.serve` from anywhere once installed).
 
     python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32|auto] [--kv-cache-gb 1]
         # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
@@ -7,20 +8,23 @@
 """
 from __future__ import annotations
 
+if __name__ == "serve":  # a bare import from the checkout, which must not shadow another package
+    __import__("agentkv").step_aside(__name__)
+
 import argparse
 import logging
 import signal
 import sys
 from pathlib import Path
 
-from cache.kv_codec import CODECS
-from engine.api.quotas import Quotas
-from engine.api.tenants import ApiKeys, ApiKeysError
-from engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTES
-from engine.limits import Limits
-from engine.message_log import CONTINUATIONS
-from engine.retention import MODES, RetentionConfig
-from spec.drafters import KINDS
+from agentkv.cache.kv_codec import CODECS
+from agentkv.engine.api.quotas import Quotas
+from agentkv.engine.api.tenants import ApiKeys, ApiKeysError
+from agentkv.engine.engine import DEFAULT_KV_OFFLOAD_BYTES, DEFAULT_KV_OFFLOAD_DISK_BYTES
+from agentkv.engine.limits import Limits
+from agentkv.engine.message_log import CONTINUATIONS
+from agentkv.engine.retention import MODES, RetentionConfig
+from agentkv.spec.drafters import KINDS
 
 log = logging.getLogger("agentkv.serve")
 
@@ -128,8 +132,8 @@ def serve(argv: list[str]) -> None:
 
     import uvicorn
 
-    from engine import Engine
-    from engine.api import create_app
+    from agentkv import Engine
+    from agentkv.engine.api import create_app
 
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
     log.info("loading %s", args.model or "the embedded default model")
@@ -183,11 +187,11 @@ def _reload(keys: ApiKeys) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["demo"]:
-        from experiments.demo import main as demo
+        from agentkv.experiments.demo import main as demo
 
         demo(argv[1:])
     elif argv[:1] == ["cluster"]:
-        from engine.api.cluster import main as cluster
+        from agentkv.engine.api.cluster import main as cluster
 
         cluster(argv[1:])
     else:

@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from cache.pool import PagePool
+from agentkv.cache.pool import PagePool
 
 
 class BlockTable:

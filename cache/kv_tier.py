@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from cache import kv_codec
-from cache.block_table import BlockTable
-from cache.errors import PageAccountingError
-from cache.kv_disk import CorruptKV, KVDisk
-from cache.pool import PagePool
-from cache.tokens import common_prefix_len
+from agentkv.kernels import dispatch
+from agentkv.cache import kv_codec
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.errors import PageAccountingError
+from agentkv.cache.kv_disk import CorruptKV, KVDisk
+from agentkv.cache.pool import PagePool
+from agentkv.cache.tokens import common_prefix_len
 
 log = logging.getLogger("agentkv.kv_tier")
 
@@ -233,7 +233,7 @@ class KVTier:
             if copies:
                 src, dst = zip(*copies)
                 device = self.pool.kv.device
-                kernels.copy_pages(self.pool.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+                dispatch.copy_pages(self.pool.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
             self.pool.write_slots(table.slots(start, end), kv)
             table.advance(end - start)
             c = self.counters

@@ -11,8 +11,8 @@ from typing import Iterable, Protocol
 
 import torch
 
-from cache import hugepages
-from cache.errors import KVCapacityError, PageAccountingError
+from agentkv.cache import hugepages
+from agentkv.cache.errors import KVCapacityError, PageAccountingError
 
 
 class PageHolder(Protocol):

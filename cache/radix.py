@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from cache.pool import PagePool
+from agentkv.cache.pool import PagePool
 
 COUNTERS = (
     "hits", "misses", "matched_tokens", "inserted_tokens", "evicted_pages", "cached_tokens", "cached_pages", "num_nodes",

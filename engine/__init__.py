@@ -1,26 +1,6 @@
-from engine.engine import ChatResult, Engine
-from engine.errors import (
-    ContextLengthError,
-    EngineError,
-    InvalidRequestError,
-    KVCapacityError,
-    ModelLoadError,
-    SessionBusyError,
-    SessionClosedError,
-    UnsupportedModelError,
-)
-from engine.session import Session
+"""The engine: sessions, the scheduler, the turn, the runner; engine/api is its
+OpenAI-compatible HTTP front.
+"""
 
-__all__ = [
-    "Engine",
-    "Session",
-    "ChatResult",
-    "EngineError",
-    "InvalidRequestError",
-    "ContextLengthError",
-    "KVCapacityError",
-    "SessionBusyError",
-    "SessionClosedError",
-    "ModelLoadError",
-    "UnsupportedModelError",
-]
+if __name__ == "engine":  # a bare import from the checkout, which must not shadow another package
+    __import__("agentkv").step_aside(__name__)

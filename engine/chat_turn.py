@@ -27,18 +27,18 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from cache.tokens import common_prefix_len
-from engine.errors import ContextLengthError, InvalidRequestError
-from engine.message_log import MessageLog, digest, tools_digest
-from engine.request import OnDone, OnTokens, Request
-from engine.stops import cut_at_stop
-from engine.structured import request_grammar
-from model.chat_suffix import render_suffix, reply_gap, tool_result_opening
-from model.tool_calls import parse_tool_calls
+from agentkv.cache.tokens import common_prefix_len
+from agentkv.engine.errors import ContextLengthError, InvalidRequestError
+from agentkv.engine.message_log import MessageLog, digest, tools_digest
+from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.stops import cut_at_stop
+from agentkv.engine.structured import request_grammar
+from agentkv.model.chat_suffix import render_suffix, reply_gap, tool_result_opening
+from agentkv.model.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.session import Session
+    from agentkv.engine.engine import Engine
+    from agentkv.engine.session import Session
 
 
 @dataclass

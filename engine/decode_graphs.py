@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cache.pool import PagePool
-from kernels.metadata import PersistentBuffer, StepBuffers, bucket
-from model.llama import ForwardScratch, Transformer
+from agentkv.cache.pool import PagePool
+from agentkv.kernels.metadata import PersistentBuffer, StepBuffers, bucket
+from agentkv.model.llama import ForwardScratch, Transformer
 
 if TYPE_CHECKING:
-    from engine.runner import StepItem
+    from agentkv.engine.runner import StepItem
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-import kernels
-from engine.request import Request
-from model.sampler import draw_uniforms, probs_from_logits
+from agentkv.kernels import dispatch
+from agentkv.engine.request import Request
+from agentkv.model.sampler import draw_uniforms, probs_from_logits
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ def _verify(target: list[torch.Tensor], drafts: list[list[int]], uniforms: torch
     lens = torch.tensor([len(d) for d in drafts], dtype=torch.int32, device=device)
     cu = torch.zeros(len(drafts) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(lens + 1, 0)
-    accepted, token = kernels.verify_drafts(torch.cat(target), cu, padded, lens, uniforms)
+    accepted, token = dispatch.verify_drafts(torch.cat(target), cu, padded, lens, uniforms)
     both = torch.cat([accepted.to(torch.int64), token]).tolist()  # the one host transfer
     n = len(drafts)
     return [Verdict(a, t) for a, t in zip(both[:n], both[n:])]

@@ -10,28 +10,28 @@ from typing import Callable
 
 import torch
 
-from cache.kv_tier import KVTier
-from cache.pool import PagePool
-from cache.radix import RadixCache
-from engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
-from engine.decode_graphs import MAX_BATCH, DecodeGraphs
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarCache
-from engine.kv_policy import KVPolicy
-from engine.limits import Limits
-from engine.message_log import CONTINUATIONS
-from engine.retention import Retention, RetentionConfig
-from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
-from engine.sequences import Sequences
-from engine.session import Session
-from engine.stats import TurnStats
-from model.config import ModelConfig
-from model.default import default_model_dir
-from model.llama import Transformer
-from model.loader import load_model, parse_dtype
-from model.tokenizer import Tokenizer
-from spec.drafters import Drafters
+from agentkv.cache.kv_tier import KVTier
+from agentkv.cache.pool import PagePool
+from agentkv.cache.radix import RadixCache
+from agentkv.engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
+from agentkv.engine.decode_graphs import MAX_BATCH, DecodeGraphs
+from agentkv.engine.errors import InvalidRequestError
+from agentkv.engine.grammar import GrammarCache
+from agentkv.engine.kv_policy import KVPolicy
+from agentkv.engine.limits import Limits
+from agentkv.engine.message_log import CONTINUATIONS
+from agentkv.engine.retention import Retention, RetentionConfig
+from agentkv.engine.runner import ModelRunner
+from agentkv.engine.scheduler import Scheduler
+from agentkv.engine.sequences import Sequences
+from agentkv.engine.session import Session
+from agentkv.engine.stats import TurnStats
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import default_model_dir
+from agentkv.model.llama import Transformer
+from agentkv.model.loader import load_model, parse_dtype
+from agentkv.model.tokenizer import Tokenizer
+from agentkv.spec.drafters import Drafters
 
 __all__ = ["Engine", "ChatResult", "common_prefix_len"]
 

@@ -1,6 +1,6 @@
 """Typed errors of the engine. Each leaves every session and the pool as they were."""
-from cache.errors import KVCapacityError, PageAccountingError
-from model.errors import ModelLoadError, UnsupportedModelError
+from agentkv.cache.errors import KVCapacityError, PageAccountingError
+from agentkv.model.errors import ModelLoadError, UnsupportedModelError
 
 __all__ = [
     "EngineError",

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
-from engine.errors import InvalidRequestError
+from agentkv.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
+    from agentkv.model.tokenizer import Tokenizer
 
 __all__ = ["GrammarError", "Grammar", "GrammarCache", "GrammarState"]
 

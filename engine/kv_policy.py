@@ -19,12 +19,12 @@ import math
 import time
 from typing import Iterable
 
-from cache.block_table import BlockTable
-from cache.kv_tier import KVTier
-from cache.pool import PagePool
-from cache.radix import RadixCache
-from engine.retention import Retention
-from engine.sequence import Sequence
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.kv_tier import KVTier
+from agentkv.cache.pool import PagePool
+from agentkv.cache.radix import RadixCache
+from agentkv.engine.retention import Retention
+from agentkv.engine.sequence import Sequence
 
 
 class KVPolicy:

@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from engine.grammar import GrammarState
-from engine.sequence import Sequence
-from engine.stats import TurnStats
-from model.sampler import SamplingParams
+from agentkv.engine.grammar import GrammarState
+from agentkv.engine.sequence import Sequence
+from agentkv.engine.stats import TurnStats
+from agentkv.model.sampler import SamplingParams
 
 OnTokens = Callable[[list[int]], None]
 OnDone = Callable[["Request"], None]

@@ -25,7 +25,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from agentkv.engine.sequence import Sequence
 
 MODES = ("tool", "lru")
 

@@ -19,13 +19,13 @@ from itertools import chain
 
 import torch
 
-import kernels
-from cache.block_table import BlockTable
-from cache.errors import KVCapacityError
-from cache.pool import PagePool
-from engine.decode_graphs import DecodeGraphs
-from kernels.metadata import PersistentBuffer, StepBuffers
-from model.llama import ForwardScratch, Transformer
+from agentkv.kernels import dispatch
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.errors import KVCapacityError
+from agentkv.cache.pool import PagePool
+from agentkv.engine.decode_graphs import DecodeGraphs
+from agentkv.kernels.metadata import PersistentBuffer, StepBuffers
+from agentkv.model.llama import ForwardScratch, Transformer
 
 
 @dataclass(slots=True)
@@ -65,7 +65,7 @@ class ModelRunner:
             if copies:
                 src, dst = zip(*copies)
                 device = self.pool.kv.device
-                kernels.copy_pages(self.pool.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+                dispatch.copy_pages(self.pool.kv, torch.tensor(src, device=device), torch.tensor(dst, device=device))
             logits = self._forward(items)
         except BaseException:
             for it, n in zip(items, old_lengths):

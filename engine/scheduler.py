@@ -26,23 +26,23 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from cache.errors import KVCapacityError
-from cache.pool import PagePool
-from cache.tokens import common_prefix_len
-from engine.emit import verdicts
-from engine.errors import EngineError, PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
-from engine.kv_policy import KVPolicy
-from engine.limits import Limits
-from engine.request import Request
-from engine.runner import ModelRunner, StepItem
-from engine.sequence import Sequence
-from engine.sequences import Sequences
-from engine.stats import SchedulerCounters, TurnStats
-from engine.stops import first_stop
-from engine.trace import nvtx_range
-from model.sampler import make_generator
-from spec.drafters import Drafters
-from spec.schema_phrases import MAX_PHRASE_OVERLAP, continuations
+from agentkv.cache.errors import KVCapacityError
+from agentkv.cache.pool import PagePool
+from agentkv.cache.tokens import common_prefix_len
+from agentkv.engine.emit import verdicts
+from agentkv.engine.errors import EngineError, PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
+from agentkv.engine.kv_policy import KVPolicy
+from agentkv.engine.limits import Limits
+from agentkv.engine.request import Request
+from agentkv.engine.runner import ModelRunner, StepItem
+from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequences import Sequences
+from agentkv.engine.stats import SchedulerCounters, TurnStats
+from agentkv.engine.stops import first_stop
+from agentkv.engine.trace import nvtx_range
+from agentkv.model.sampler import make_generator
+from agentkv.spec.drafters import Drafters
+from agentkv.spec.schema_phrases import MAX_PHRASE_OVERLAP, continuations
 
 log = logging.getLogger("agentkv.scheduler")
 

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from cache.block_table import BlockTable
-from engine.stats import TurnStats
-from spec.adaptive import AdaptiveLength
+from agentkv.cache.block_table import BlockTable
+from agentkv.engine.stats import TurnStats
+from agentkv.spec.adaptive import AdaptiveLength
 
 
 @dataclass(eq=False)

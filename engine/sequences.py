@@ -14,11 +14,11 @@ import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from cache.block_table import BlockTable
-from cache.pool import PagePool
-from engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
-from engine.kv_policy import KVPolicy
-from engine.sequence import Sequence
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.pool import PagePool
+from agentkv.engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
+from agentkv.engine.kv_policy import KVPolicy
+from agentkv.engine.sequence import Sequence
 
 
 class Sequences:

@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from cache.block_table import BlockTable
-from engine.errors import ContextLengthError, InvalidRequestError
-from engine.grammar import Grammar, GrammarState
-from engine.message_log import MessageLog
-from engine.request import OnDone, OnTokens, Request
-from engine.sequence import Sequence
-from engine.stats import TurnStats
-from model.sampler import SamplingParams
-from spec.adaptive import AdaptiveLength
+from agentkv.cache.block_table import BlockTable
+from agentkv.engine.errors import ContextLengthError, InvalidRequestError
+from agentkv.engine.grammar import Grammar, GrammarState
+from agentkv.engine.message_log import MessageLog
+from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.sequence import Sequence
+from agentkv.engine.stats import TurnStats
+from agentkv.model.sampler import SamplingParams
+from agentkv.spec.adaptive import AdaptiveLength
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from agentkv.engine.engine import Engine
 
 
 class Session:

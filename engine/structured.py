@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from engine.grammar import Grammar, GrammarError
-from model.tool_calls import detect_tool_call_format
-from spec.schema_phrases import schema_phrases
+from agentkv.engine.grammar import Grammar, GrammarError
+from agentkv.model.tool_calls import detect_tool_call_format
+from agentkv.spec.schema_phrases import schema_phrases
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from model.tokenizer import Tokenizer
+    from agentkv.engine.engine import Engine
+    from agentkv.model.tokenizer import Tokenizer
 
 __all__ = ["tool_call_format", "structural_tag", "request_grammar"]
 

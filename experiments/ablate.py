@@ -23,7 +23,7 @@ acceptance rate is printed: judge speculation on the trained model (--model).
 
 Model: the embedded tiny default model (4 layers, 256 wide), or --model DIR.
 
-    python -m experiments.ablate [--agents 4] [--turns-per-agent 4] [--max-gen 48] [--repeats 1]
+    python -m agentkv.experiments.ablate [--agents 4] [--turns-per-agent 4] [--max-gen 48] [--repeats 1]
         [--model DIR] [--threads 2]
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from experiments.common import machine, median, run_dir
-from experiments.drivers.replay import reply_token_count
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from experiments.workloads import interleaved_run
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.drivers.replay import reply_token_count
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.experiments.workloads import interleaved_run
 
 CONFIGS = [dict(sessions=s, radix=r, spec=p) for s, r, p in itertools.product((True, False), repeat=3)]
 
@@ -59,7 +59,7 @@ class Runner:
     """One engine configuration replaying the workload turn by turn."""
 
     def __init__(self, base, cfg: dict, pages: int):
-        from engine import Engine
+        from agentkv import Engine
 
         self.cfg = cfg
         self.eng = Engine(base.model, base.tokenizer, page_size=base.pool.page_size, num_pages=pages,
@@ -126,7 +126,7 @@ def summarize(reps: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from engine import Engine
+    from agentkv import Engine
 
     torch.set_num_threads(args.threads)
     base = Engine.from_pretrained(args.model, num_pages=16)
@@ -157,7 +157,7 @@ def run(args) -> dict:
         r["speedup_e2e_vs_stateless"] = baseline["e2e_s"] / r["e2e_s"]
         r["speedup_median_turn_vs_stateless"] = baseline["median_turn_s"] / r["median_turn_s"]
     return {
-        "command": " ".join([sys.executable, "-m", "experiments.ablate", *sys.argv[1:]]),
+        "command": " ".join([sys.executable, "-m", "agentkv.experiments.ablate", *sys.argv[1:]]),
         "args": vars(args),
         "machine": machine() | {"load": os.getloadavg()},
         "workload": {"shape": wf.shape, "agents": args.agents, "turns_per_agent": args.turns_per_agent,

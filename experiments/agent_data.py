@@ -78,11 +78,11 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import agent_tasks as T
-from experiments.agent_tasks import stable_hash
-from experiments import workloads as W
-from model.default_tokenizer import CHAT_TEMPLATE
-from model.tokenizer import Tokenizer, render_chat_template
+from agentkv.experiments import agent_tasks as T
+from agentkv.experiments.agent_tasks import stable_hash
+from agentkv.experiments import workloads as W
+from agentkv.model.default_tokenizer import CHAT_TEMPLATE
+from agentkv.model.tokenizer import Tokenizer, render_chat_template
 
 # ---------------------------------------------------------------------------
 # Loss codes of the tokens in a row (the code of a token applies when it is the

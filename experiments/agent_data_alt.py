@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 
-from experiments.agent_tasks import Episode
+from agentkv.experiments.agent_tasks import Episode
 
 ALT_SEED = 424_242_424
 

@@ -38,11 +38,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from engine.chat_turn import common_prefix_len
-from experiments.drivers.replay import prepare_requests
-from experiments.drivers.system import kv_tokens_needed
-from experiments.live_replay import as_message
-from experiments.workloads import Conversation, Workflow, interleaved_run
+from agentkv.engine.chat_turn import common_prefix_len
+from agentkv.experiments.drivers.replay import prepare_requests
+from agentkv.experiments.drivers.system import kv_tokens_needed
+from agentkv.experiments.live_replay import as_message
+from agentkv.experiments.workloads import Conversation, Workflow, interleaved_run
 
 PAUSE_MEDIAN_RANGE = (0.5, 8.0)  # seconds: each tool's median is drawn log-uniformly from here
 PAUSE_SIGMA = 0.6

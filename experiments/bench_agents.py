@@ -25,7 +25,7 @@ completion per agent (median, p90), per-turn latency (p50, p90), tokens
 reused and computed (usage and the server's counters), prefix-cache hit
 rate, preemptions, host-tier offload/restore bytes and seconds, errors.
 
-    python -m experiments.bench_agents [--agents 16] [--turns-per-agent 4] [--max-tokens 96] \
+    python -m agentkv.experiments.bench_agents [--agents 16] [--turns-per-agent 4] [--max-tokens 96] \
         [--pause-scale 1] [--kv-fraction 0.5] [--systems agentkv,agentkv-lru,vllm-apc] [--seed 0] [--threads 2]
 """
 from __future__ import annotations
@@ -37,16 +37,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments.agent_runs import (Client, Pauses, Reply, kv_budget, openai_reply, plan, records_json, run_agents,
+from agentkv.experiments.agent_runs import (Client, Pauses, Reply, kv_budget, openai_reply, plan, records_json, run_agents,
                                     summarize)
-from experiments.common import machine, parse_systems, run_dir
-from experiments.drivers.servers import ServerProcess, start_engine_server
-from experiments.drivers.system import ROOT
-from experiments.drivers.vllm import start_vllm_server, vllm_status
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from experiments.workloads import Workflow
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from agentkv.experiments.common import machine, parse_systems, run_dir
+from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
+from agentkv.experiments.drivers.system import ROOT
+from agentkv.experiments.drivers.vllm import start_vllm_server, vllm_status
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.experiments.workloads import Workflow
+from agentkv.model.config import ModelConfig
+from agentkv.model.tokenizer import Tokenizer
 
 SYSTEMS = ("agentkv", "agentkv-lru", "vllm-apc")
 BLOCK = 128  # vLLM-CPU's KV block size; budgets are whole blocks so that every system gets the same tokens

@@ -13,7 +13,7 @@ engine's chunks, with the chunk kernel and then without it (its extension
 marked unavailable, as on a machine without a compiler: the reference runs),
 alternating per repeat.
 
-    python -m experiments.bench_chunk_attention [--shapes 512x0,512x8192,512x16384,2048x0]
+    python -m agentkv.experiments.bench_chunk_attention [--shapes 512x0,512x8192,512x16384,2048x0]
         [--dtypes float32,bfloat16] [--threads 1,2] [--repeats 5] [--prefill-tokens 8192]
         [--prefill-repeats 2] [--skip-prefill] [--out DIR]
 
@@ -29,14 +29,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import SHAPES, machine, median, run_dir
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from kernels import cpu_chunk_attention, reference
-from kernels.metadata import AttnMetadata
-from model.config import ModelConfig
-from model.default import random_init
-from model.llama import Transformer
+from agentkv import Engine
+from agentkv.experiments.common import SHAPES, machine, median, run_dir
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.kernels import cpu_chunk_attention, reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import random_init
+from agentkv.model.llama import Transformer
 
 
 def _pool(num_q: int, cached: int, heads: tuple[int, int], head_dim: int, page_size: int, dtype, seed: int):
@@ -98,7 +98,7 @@ def attention_rows(args, bar) -> list[dict]:
 @contextlib.contextmanager
 def chunk_kernel(on: bool):
     """The chunk kernel available or not for the forwards inside (the
-    extension's error stands for a failed build; kernels.select follows it)."""
+    extension's error stands for a failed build; kernels.dispatch.select follows it)."""
     saved = cpu_chunk_attention.extension.error
     if not on:
         cpu_chunk_attention.extension.error = "off for the baseline of experiments.bench_chunk_attention"

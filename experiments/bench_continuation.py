@@ -27,7 +27,7 @@ lost tokens per turn (mean, max), turns with any loss, per-turn latency
 (p50, p90), prompt and reused tokens. Tool calls decode unconstrained on
 every system (--no-constrain-auto), as vLLM's do.
 
-    python -m experiments.bench_continuation [--agents 4] [--turns-per-agent 6] [--max-tokens 64]
+    python -m agentkv.experiments.bench_continuation [--agents 4] [--turns-per-agent 6] [--max-tokens 64]
         [--systems agentkv-native,agentkv-template,vllm-apc] [--clients plain,strip] [--threads 2]
 """
 from __future__ import annotations
@@ -38,13 +38,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from experiments.agent_runs import AgentRecord, Client, Pauses, Reply, plan, records_json, run_agents, summarize
-from experiments.bench_agents import http_client, vllm_kv_line, warm_up
-from experiments.common import machine, parse_systems, run_dir
-from experiments.drivers.servers import ServerProcess, start_engine_server
-from experiments.drivers.vllm import start_vllm_server
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from model.default import default_model_dir
+from agentkv.experiments.agent_runs import AgentRecord, Client, Pauses, Reply, plan, records_json, run_agents, summarize
+from agentkv.experiments.bench_agents import http_client, vllm_kv_line, warm_up
+from agentkv.experiments.common import machine, parse_systems, run_dir
+from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
+from agentkv.experiments.drivers.vllm import start_vllm_server
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.model.default import default_model_dir
 
 SYSTEMS = ("agentkv-native", "agentkv-template", "vllm-apc")
 CLIENTS = ("plain", "strip")

@@ -22,7 +22,7 @@ Decode: a random-init --shape model and the embedded models/agent-8m, one
 session grown to each --decode-contexts length, --decode-tokens single-token
 steps timed, old and new paths alternating per repeat.
 
-    python -m experiments.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
+    python -m agentkv.experiments.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
         [--dtypes float32,bfloat16] [--queries 1] [--repeats 7] [--baseline REV]
         [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode] [--skip-attention]
 
@@ -44,13 +44,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from cache import hugepages
-from cache.pool import PagePool
-from experiments.common import SHAPES, machine, median, run_dir
-from experiments.report import table, write_json
-from kernels import cpu_extension, cpu_paged_attention, reference
-from kernels.metadata import AttnMetadata
-from model.config import ModelConfig
+from agentkv.cache import hugepages
+from agentkv.cache.pool import PagePool
+from agentkv.experiments.common import SHAPES, machine, median, run_dir
+from agentkv.experiments.report import table, write_json
+from agentkv.kernels import cpu_extension, cpu_paged_attention, reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model.config import ModelConfig
 
 PATHS = {"torch": reference.paged_attention, "cpp": cpu_paged_attention.paged_attention}
 
@@ -209,10 +209,10 @@ def decode_ms(session, vocab: int, tokens: int, gen: torch.Generator) -> float:
 
 
 def bench_decode(args) -> list[dict]:
-    from engine import Engine
-    from model.default import default_model_dir, random_init
-    from model.llama import Transformer
-    from model.loader import load_model
+    from agentkv import Engine
+    from agentkv.model.default import default_model_dir, random_init
+    from agentkv.model.llama import Transformer
+    from agentkv.model.loader import load_model
 
     gen = torch.Generator().manual_seed(1)
     rows = []

@@ -9,7 +9,7 @@ through enough copies of its weight (>= --stream-mb) that every call reads its
 weight from memory, as a model's step does, not from the caches. Paths
 alternate within each repeat; medians of --repeats.
 
-    python -m experiments.bench_cpu_linear [--rows 1,2,4,8,16,32,256,512] [--threads 1,2]
+    python -m agentkv.experiments.bench_cpu_linear [--rows 1,2,4,8,16,32,256,512] [--threads 1,2]
         [--dtypes bfloat16,float32] [--repeats 7] [--stream-mb 96]
 
 Writes runs/bench_cpu_linear-<time>/{results.json, report.txt, bench_cpu_linear.png}.
@@ -22,11 +22,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from experiments.bench_cpu_attention import read_bandwidth
-from experiments.common import SHAPES, machine, median, run_dir
-from experiments.report import publish, pyplot, save_figure, table
-from kernels import cpu_linear
-from model import packed_linear
+from agentkv.experiments.bench_cpu_attention import read_bandwidth
+from agentkv.experiments.common import SHAPES, machine, median, run_dir
+from agentkv.experiments.report import publish, pyplot, save_figure, table
+from agentkv.kernels import cpu_linear
+from agentkv.model import packed_linear
 
 
 def model_shapes(name: str, hf: dict) -> list[tuple[str, int, int, int]]:

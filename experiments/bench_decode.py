@@ -42,7 +42,7 @@ that as a share of a read of huge-page memory (placed as the KV pool is)
 taken just before and after it; and "bound", the ms a step would take
 reading the weights and the K/V once at the memory-read rate.
 
-    python -m experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
+    python -m agentkv.experiments.bench_decode [--dtypes bfloat16,float32] [--threads 1,2]
         [--contexts 8192,16384] [--systems ours,vllm,llamacpp] [--decode-tokens 64]
         [--repeats 3] [--shape smollm2-135m] [--llamacpp-half bf16|f16] [--schedule rotate|grouped]
         [--max-foreign 0.3] [--retries 2] [--settle 10] [--prefill-threads N] [--pin VCPUS] [--out DIR]
@@ -62,20 +62,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.chat_turn import common_prefix_len
-from experiments.bench_cpu_attention import attention_case, read_bandwidth, time_attention
-from experiments.common import SHAPES, machine, median, parse_systems, run_dir
-from experiments.drivers.affinity import parse_cpus, pin_process
-from experiments.drivers.checkpoint import prepare_checkpoint
-from experiments.drivers.engine_local import EngineDecode
-from experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
-from experiments.drivers.peer import PeerSystem
-from experiments.drivers.system import Request
-from experiments.drivers.vllm import vllm_status, vllm_system
-from experiments.proc_usage import snapshot, usage, wait_quiet
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from kernels import cpu_paged_attention
-from model.config import ModelConfig
+from agentkv.engine.chat_turn import common_prefix_len
+from agentkv.experiments.bench_cpu_attention import attention_case, read_bandwidth, time_attention
+from agentkv.experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from agentkv.experiments.drivers.affinity import parse_cpus, pin_process
+from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
+from agentkv.experiments.drivers.engine_local import EngineDecode
+from agentkv.experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
+from agentkv.experiments.drivers.peer import PeerSystem
+from agentkv.experiments.drivers.system import Request
+from agentkv.experiments.drivers.vllm import vllm_status, vllm_system
+from agentkv.experiments.proc_usage import snapshot, usage, wait_quiet
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.kernels import cpu_paged_attention
+from agentkv.model.config import ModelConfig
 
 SYSTEMS = ("ours", "vllm", "llamacpp")
 PEERS = {"vllm": "vllm-apc", "llamacpp": "llamacpp-keep"}  # the drivers' kinds
@@ -159,7 +159,7 @@ def start_systems(systems: list[str], path: Path, reqs: list[Request], dtype: st
     for s in [s for s in systems if s not in skipped]:
         try:
             if s == "ours":
-                from model.loader import load_model
+                from agentkv.model.loader import load_model
 
                 model = load_model(path, dtype)
                 pages = sum(-(-(len(r.ids) + r.gen) // args.page_size) + 1 for r in reqs) + 8
@@ -320,7 +320,7 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
 
 
 def run(args) -> dict:
-    from model.tokenizer import Tokenizer
+    from agentkv.model.tokenizer import Tokenizer
 
     systems = parse_systems(args.systems, SYSTEMS)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -358,7 +358,7 @@ def run(args) -> dict:
     bar.close()
     load.append(os.getloadavg()[0])
     return {
-        "command": " ".join([sys.executable, "-m", "experiments.bench_decode", *sys.argv[1:]]),
+        "command": " ".join([sys.executable, "-m", "agentkv.experiments.bench_decode", *sys.argv[1:]]),
         "args": vars(args),
         "machine": machine() | {"load": os.getloadavg(), "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
         "model": str(path),

@@ -1,7 +1,7 @@
 """What grammar-constrained decoding costs per step and what it buys, on the
 project's trained agent model and its held-out tool-call turns.
 
-    python -m experiments.bench_grammar [--model models/agent-8m] [--turns 12] [--threads 1]
+    python -m agentkv.experiments.bench_grammar [--model models/agent-8m] [--turns 12] [--threads 1]
 
 Per turn the prompt is computed once on a session; each mode then answers
 greedily from it (truncating back in between), without speculation so that a
@@ -28,13 +28,13 @@ import time
 
 import torch
 
-from engine import Engine
-from engine.grammar import GrammarState
-from engine.structured import request_grammar
-from experiments import agent_data as D
-from experiments.common import machine, median, run_dir
-from experiments.eval_agent_model import score
-from experiments.report import pyplot, save_figure, table, write_json
+from agentkv import Engine
+from agentkv.engine.grammar import GrammarState
+from agentkv.engine.structured import request_grammar
+from agentkv.experiments import agent_data as D
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.eval_agent_model import score
+from agentkv.experiments.report import pyplot, save_figure, table, write_json
 
 MODES = {"free": None, "auto": "auto", "required": "required"}
 

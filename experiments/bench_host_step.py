@@ -25,7 +25,7 @@ size and thread count:
 
 Medians of --repeats; the sessions are cut back to --context after each.
 
-    python -m experiments.bench_host_step [--model models/agent-8m] [--dtypes float32,bfloat16]
+    python -m agentkv.experiments.bench_host_step [--model models/agent-8m] [--dtypes float32,bfloat16]
         [--context 8192] [--batches 1,8] [--tokens 64] [--profile-tokens 8] [--repeats 5] [--threads 1,2]
         [--speculative]
 
@@ -42,11 +42,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import machine, median, run_dir
-from experiments.report import publish, table
-from kernels import cpu_layers
-from model.default import default_model_dir
+from agentkv import Engine
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.report import publish, table
+from agentkv.kernels import cpu_layers
+from agentkv.model.default import default_model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -13,7 +13,7 @@ it as a finished turn would (tokens held, not computed: no forward runs),
 and the next request adds a tool result. Medians of --repeats, the modes
 alternating.
 
-    python -m experiments.bench_host_work [--lengths 1000,10000,100000] [--repeats 7]
+    python -m agentkv.experiments.bench_host_work [--lengths 1000,10000,100000] [--repeats 7]
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine import Engine
-from engine.chat_turn import native_prompt, rendered_prompt
-from engine.message_log import MessageLog, digest, tools_digest
-from experiments.common import machine, median, run_dir
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv import Engine
+from agentkv.engine.chat_turn import native_prompt, rendered_prompt
+from agentkv.engine.message_log import MessageLog, digest, tools_digest
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository.",

@@ -8,7 +8,7 @@ Reports tokens computed against the ideal (the shared prefix once plus each
 agent's own deltas), pages held by the live sessions against the ideal, the
 prefix-cache counters and wall time.
 
-    python -m experiments.bench_prefix [--agents 8] [--turns 10] [--gen 16]
+    python -m agentkv.experiments.bench_prefix [--agents 8] [--turns 10] [--gen 16]
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import time
 
 from tqdm import tqdm
 
-from engine import Engine
-from engine.engine import common_prefix_len
-from experiments.common import machine, run_dir
-from experiments.report import table, write_json
-from experiments.workloads import interleaved_run
+from agentkv import Engine
+from agentkv.engine.engine import common_prefix_len
+from agentkv.experiments.common import machine, run_dir
+from agentkv.experiments.report import table, write_json
+from agentkv.experiments.workloads import interleaved_run
 
 MODES = {
     "radix (token)": dict(prefix_cache=True, prefix_match="token"),

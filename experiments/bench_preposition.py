@@ -9,7 +9,7 @@ alternately: a fresh session, a turn that calls get_weather, a tool pause
 of --pause seconds, then the tool result's turn, whose first token's
 arrival (the on_tokens callback) is timed from its submission. Medians.
 
-    python -m experiments.bench_preposition [--repeats 15] [--pause 0.2] [--result-tokens 30]
+    python -m agentkv.experiments.bench_preposition [--repeats 15] [--pause 0.2] [--result-tokens 30]
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import machine, median, run_dir
-from experiments.report import WandbRun, publish, table
+from agentkv import Engine
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.report import WandbRun, publish, table
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

@@ -33,7 +33,7 @@ first turn sent after the drain began: those in flight finish on the
 draining replica), and the prompt tokens computed beyond the uninterrupted
 affinity run (recomputed).
 
-    python -m experiments.bench_replicas [--agents 8] [--turns-per-agent 4] [--max-tokens 32] \\
+    python -m agentkv.experiments.bench_replicas [--agents 8] [--turns-per-agent 4] [--max-tokens 32] \\
         [--pause-scale 0.25] [--setups one,affinity,round_robin,kill,drain,responses_affinity,responses_any] [--seed 0]
 """
 from __future__ import annotations
@@ -48,12 +48,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.api.cluster import Cluster
-from experiments.agent_runs import Pauses, Reply, openai_reply, plan, records_json, run_agents, summarize
-from experiments.common import machine, parse_systems, run_dir
-from experiments.drivers.servers import free_port, scrape_metrics
-from experiments.drivers.system import ROOT
-from experiments.report import publish, table
+from agentkv.engine.api.cluster import Cluster
+from agentkv.experiments.agent_runs import Pauses, Reply, openai_reply, plan, records_json, run_agents, summarize
+from agentkv.experiments.common import machine, parse_systems, run_dir
+from agentkv.experiments.drivers.servers import free_port, scrape_metrics
+from agentkv.experiments.drivers.system import ROOT
+from agentkv.experiments.report import publish, table
 
 # name: replicas, router policy, what happens to replica 0 half-way (None, "kill", "drain")
 SETUPS = {"one": (1, "consistent_hash", None), "affinity": (2, "consistent_hash", None),

@@ -26,7 +26,7 @@ Responses side's tenant and chat's namespace share nothing): for the 35-turn
 workflow on the SmolLM2 shape in float32 about 10 GiB, allocated up front,
 plus vLLM's KV (about 6 GB); --dtype bfloat16 halves both.
 
-    python -m experiments.bench_responses [--workflow 35] [--shape smollm2-135m | --model DIR]
+    python -m agentkv.experiments.bench_responses [--workflow 35] [--shape smollm2-135m | --model DIR]
         [--systems responses,chat,vllm-apc] [--max-turns N] [--max-gen N] [--threads 2] [--out DIR]
 """
 from __future__ import annotations
@@ -41,14 +41,14 @@ import torch
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
-from experiments.common import SHAPES, machine, median, parse_systems, run_dir
-from experiments.drivers.checkpoint import prepare_checkpoint
-from experiments.drivers.engine_http import ChatSystem, ResponsesSystem, Wire
-from experiments.drivers.engine_local import engine_pages
-from experiments.drivers.replay import prepare_requests, workflow
-from experiments.drivers.system import Request, WireTurn
-from experiments.drivers.vllm import VllmChatSystem, vllm_status, vllm_system
-from experiments.report import publish, pyplot, save_figure, table
+from agentkv.experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
+from agentkv.experiments.drivers.engine_http import ChatSystem, ResponsesSystem, Wire
+from agentkv.experiments.drivers.engine_local import engine_pages
+from agentkv.experiments.drivers.replay import prepare_requests, workflow
+from agentkv.experiments.drivers.system import Request, WireTurn
+from agentkv.experiments.drivers.vllm import VllmChatSystem, vllm_status, vllm_system
+from agentkv.experiments.report import publish, pyplot, save_figure, table
 
 SYSTEMS = ("responses", "chat", "vllm-apc")
 LABELS = {
@@ -95,9 +95,9 @@ def same_reply(a: dict, b: dict) -> bool:
 
 
 def run(args, out_dir: Path) -> dict:
-    from engine import Engine
-    from engine.api import create_app
-    from model.tokenizer import Tokenizer
+    from agentkv import Engine
+    from agentkv.engine.api import create_app
+    from agentkv.model.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     systems = parse_systems(args.systems, SYSTEMS)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) if args.out else run_dir("bench_responses")
     out.mkdir(parents=True, exist_ok=True)
     res = run(args, out)
-    res["command"] = " ".join(["python -m experiments.bench_responses", *(sys.argv[1:] if argv is None else argv)])
+    res["command"] = " ".join(["python -m agentkv.experiments.bench_responses", *(sys.argv[1:] if argv is None else argv)])
     publish(out, res, report(res), plots={"per_turn.png": plot})
     return res
 

@@ -9,7 +9,7 @@ computes all n + 1. Measured side by side, alternating, medians of
 (bit-exact); from host memory as int8; from disk (the entry pushed out of
 host memory by another session's, then read back and verified).
 
-    python -m experiments.bench_restore [--lengths 1024,4096,16000] [--shape default|smollm2-135m] [--repeats 3]
+    python -m agentkv.experiments.bench_restore [--lengths 1024,4096,16000] [--shape default|smollm2-135m] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import machine, median, random_model, run_dir
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv import Engine
+from agentkv.experiments.common import machine, median, random_model, run_dir
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
 
 MODES = ("recompute", "host", "host-int8", "disk")
 

@@ -14,7 +14,7 @@ together against one session alone (random weights of a named shape), and
 the scheduler's host overhead per decode step (step wall time minus the
 forward's) at each batch size.
 
-    python -m experiments.bench_serving [--clients 16] [--kv-fraction 0.5] [--batches 1,2,4,8] [--threads 1]
+    python -m agentkv.experiments.bench_serving [--clients 16] [--kv-fraction 0.5] [--batches 1,2,4,8] [--threads 1]
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from engine.limits import Limits
-from experiments.common import machine, random_model, run_dir
-from experiments.drivers.servers import InProcessServer
-from experiments.report import WandbRun, log_wandb, pyplot, save_figure, table, write_json
+from agentkv import Engine
+from agentkv.engine.limits import Limits
+from agentkv.experiments.common import machine, random_model, run_dir
+from agentkv.experiments.drivers.servers import InProcessServer
+from agentkv.experiments.report import WandbRun, log_wandb, pyplot, save_figure, table, write_json
 
 SYSTEM = "You are agent {i}, one of a team of coding agents. Work carefully and report what you find."
 ASKS = ["Summarise what module {m} does.", "Which functions in {m} touch the cache?", "Propose one test for {m}.",

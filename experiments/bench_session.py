@@ -6,7 +6,7 @@ on a random-init model of SmolLM2-135M's shape. The stateful session computes
 only each turn's delta; the stateless baseline re-prefills the whole history
 every turn. Turns alternate between the two so both see the same machine noise.
 
-    python -m experiments.bench_session [--shape smollm2-135m] [--dtype float32] [--repeats 3]
+    python -m agentkv.experiments.bench_session [--shape smollm2-135m] [--dtype float32] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import random
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import machine, median, random_model, run_dir
-from experiments.report import pyplot, save_figure, table, write_json
+from agentkv import Engine
+from agentkv.experiments.common import machine, median, random_model, run_dir
+from agentkv.experiments.report import pyplot, save_figure, table, write_json
 
 
 def timed_turn(engine: Engine, session, new: list[int], gen: int) -> tuple[float, float, int]:

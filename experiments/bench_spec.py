@@ -2,7 +2,7 @@
 live: the model writes every reply itself, greedy, and each drafter sees the
 replies the namespace's agents wrote before.
 
-    python -m experiments.bench_spec [--model models/agent-8m] [--turns 24] [--threads 1]
+    python -m agentkv.experiments.bench_spec [--model models/agent-8m] [--turns 24] [--threads 1]
 
 The turns are held-out tool-call turns of multi-agent workflows
 (experiments.agent_data.eval_turns: held-out tools, two agents' turns per
@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from engine.structured import request_grammar
-from experiments import agent_data as D
-from experiments.common import machine, median, run_dir
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
-from spec.ngram import NGramDrafter
-from spec.suffix import OutputTree, SuffixDrafter
+from agentkv import Engine
+from agentkv.engine.structured import request_grammar
+from agentkv.experiments import agent_data as D
+from agentkv.experiments.common import machine, median, run_dir
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.spec.ngram import NGramDrafter
+from agentkv.spec.suffix import OutputTree, SuffixDrafter
 
 # mode -> (drafter, grammar-forced drafts, schema drafts); None: no speculation.
 MODES = {

@@ -7,7 +7,7 @@ One session per dtype grows to each --contexts length in turn (untimed
 chunks); at each length every step is timed --repeats times with packing on, then
 off, the session cut back to that length after each. Medians are reported.
 
-    python -m experiments.bench_steps [--shape smollm2-135m] [--dtypes float32,bfloat16]
+    python -m agentkv.experiments.bench_steps [--shape smollm2-135m] [--dtypes float32,bfloat16]
         [--contexts 2048,8192,16384] [--chunk 1024] [--verify 8] [--repeats 5] [--threads 1]
 
 Writes runs/bench_steps-<time>/{results.json, steps.png}.
@@ -21,12 +21,12 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.common import SHAPES, machine, median, run_dir
-from experiments.report import pyplot, save_figure, table, write_json
-from model.config import ModelConfig
-from model.default import random_init
-from model.llama import Transformer
+from agentkv import Engine
+from agentkv.experiments.common import SHAPES, machine, median, run_dir
+from agentkv.experiments.report import pyplot, save_figure, table, write_json
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import random_init
+from agentkv.model.llama import Transformer
 
 STEPS = ("prefill", "decode", "verify")
 

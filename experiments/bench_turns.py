@@ -67,7 +67,7 @@ in all) costs the stateless systems 2-4 minutes each per repeat; the
 stateless ones over half an hour each: use --max-turns, --max-gen, --repeats
 and --systems to bound it (e.g. --max-turns 12 --max-gen 32).
 
-    python -m experiments.bench_turns [--workflow 6|35] [--shape smollm2-135m | --model DIR]
+    python -m agentkv.experiments.bench_turns [--workflow 6|35] [--shape smollm2-135m | --model DIR]
         [--systems stateful,stateless,block,hf,hf-reuse,vllm-apc,vllm-noapc,llamacpp-keep,llamacpp-reset]
         [--max-turns N] [--max-gen N] [--repeats 1] [--threads 2] [--dtype float32] [--out DIR]
 """
@@ -84,17 +84,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.chat_turn import common_prefix_len
-from experiments.common import SHAPES, machine, median, parse_systems, run_dir
-from experiments.drivers import engine_local, hf, llamacpp, vllm
-from experiments.drivers.checkpoint import prepare_checkpoint
-from experiments.drivers.engine_local import EngineSystem, warm_engine
-from experiments.drivers.hf import HFSystem, hf_generate, load_hf
-from experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
-from experiments.drivers.replay import prepare_requests, workflow
-from experiments.drivers.system import System
-from experiments.drivers.vllm import vllm_status, vllm_system
-from experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.engine.chat_turn import common_prefix_len
+from agentkv.experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from agentkv.experiments.drivers import engine_local, hf, llamacpp, vllm
+from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
+from agentkv.experiments.drivers.engine_local import EngineSystem, warm_engine
+from agentkv.experiments.drivers.hf import HFSystem, hf_generate, load_hf
+from agentkv.experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
+from agentkv.experiments.drivers.replay import prepare_requests, workflow
+from agentkv.experiments.drivers.system import System
+from agentkv.experiments.drivers.vllm import vllm_status, vllm_system
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
 
 ALL_SYSTEMS = engine_local.KINDS + hf.KINDS + vllm.KINDS + llamacpp.KINDS
 # Systems that recompute each turn from scratch: a turn's latency does not
@@ -117,9 +117,9 @@ LABELS = {
 def live_transcript(path: Path, tokenizer, wf, args):
     """The workflow with the model's own replies (experiments/live_replay.py),
     made before any timed turn, untimed."""
-    from engine import Engine
-    from experiments.live_replay import live_workflow
-    from model.loader import load_model
+    from agentkv import Engine
+    from agentkv.experiments.live_replay import live_workflow
+    from agentkv.model.loader import load_model
 
     model = load_model(path, getattr(torch, args.dtype))
     eng = Engine(model, tokenizer, page_size=args.page_size, constrain_auto=False)  # as the replaying systems
@@ -140,7 +140,7 @@ def start_systems(systems: list[str], path: Path, tokenizer, reqs, args, log: Pa
         try:
             if s in engine_local.KINDS:
                 if model is None:
-                    from model.loader import load_model
+                    from agentkv.model.loader import load_model
 
                     model = load_model(path, dtype)
                     warm_engine(model, tokenizer, reqs, args.page_size)
@@ -264,7 +264,7 @@ def compare(results: dict, ref: str) -> None:
 
 
 def run(args) -> dict:
-    from model.tokenizer import Tokenizer
+    from agentkv.model.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def run(args) -> dict:
     if ref is not None:
         compare(results, ref)
     return {
-        "command": " ".join([sys.executable, "-m", "experiments.bench_turns", *sys.argv[1:]]),
+        "command": " ".join([sys.executable, "-m", "agentkv.experiments.bench_turns", *sys.argv[1:]]),
         "args": vars(args),
         "machine": machine() | {"load": os.getloadavg(), "time_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())},
         "model": str(path),

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig
-from model.default import random_init
-from model.llama import Transformer
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import random_init
+from agentkv.model.llama import Transformer
 
 # Named model shapes for random-weight benchmarks (Hugging Face config fields).
 SHAPES = {

@@ -29,12 +29,12 @@ import json
 
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.agent_runs import Client, Pauses, Reply, kv_budget, plan, run_agents, summarize
-from experiments.common import median, parse_systems
-from experiments.drivers.replay import prepare_requests, workflow
-from experiments.report import table
-from experiments.workloads import Workflow, interleaved_run
+from agentkv import Engine
+from agentkv.experiments.agent_runs import Client, Pauses, Reply, kv_budget, plan, run_agents, summarize
+from agentkv.experiments.common import median, parse_systems
+from agentkv.experiments.drivers.replay import prepare_requests, workflow
+from agentkv.experiments.report import table
+from agentkv.experiments.workloads import Workflow, interleaved_run
 
 SYSTEMS = ("stateful", "stateless", "block-hash")
 

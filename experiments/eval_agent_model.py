@@ -1,6 +1,6 @@
 """Held-out evaluation of an agent model through our Engine.
 
-    python -m experiments.eval_agent_model --model DIR [--turns N] [--sets workflow,task,alt] [--out eval.json]
+    python -m agentkv.experiments.eval_agent_model --model DIR [--turns N] [--sets workflow,task,alt] [--out eval.json]
 
 Three sets of held-out turns, each answered greedily without a grammar:
 
@@ -47,12 +47,12 @@ from pathlib import Path
 
 import torch
 
-from engine import Engine
-from experiments import agent_data as D
-from experiments.agent_data_alt import ALT_SEED, alt_episodes
-from experiments.common import machine
-from experiments.report import table
-from model.tool_calls import parse_tool_calls
+from agentkv import Engine
+from agentkv.experiments import agent_data as D
+from agentkv.experiments.agent_data_alt import ALT_SEED, alt_episodes
+from agentkv.experiments.common import machine
+from agentkv.experiments.report import table
+from agentkv.model.tool_calls import parse_tool_calls
 
 # Issue 22's targets: group -> metric -> minimum.
 TARGETS = {

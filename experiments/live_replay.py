@@ -20,8 +20,8 @@ import json
 
 from tqdm import tqdm
 
-from engine import Engine
-from experiments.workloads import Conversation, Workflow
+from agentkv import Engine
+from agentkv.experiments.workloads import Conversation, Workflow
 
 
 def as_message(text: str, calls: list[dict], reference: dict) -> dict:

@@ -1,6 +1,6 @@
 """Train the project's own small agent model on generated tool-calling transcripts.
 
-    python -m experiments.train_agent_model --out DIR --minutes M [--device cuda] [--shape agent-25m] [--resume CKPT]
+    python -m agentkv.experiments.train_agent_model --out DIR --minutes M [--device cuda] [--shape agent-25m] [--resume CKPT]
 
 The model is model.llama.Transformer (the architecture the engine serves, one
 definition), trained through model/dense_forward.py (a dense causal forward
@@ -74,13 +74,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from experiments import agent_data as D  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.default_tokenizer import build_default_tokenizer  # noqa: E402
-from model.dense_forward import dense_hidden, dense_logits, trainable_parameters  # noqa: E402
-from model.llama import Transformer  # noqa: E402
-from model.loader import hf_tensors, load_model  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+from agentkv.experiments import agent_data as D  # noqa: E402
+from agentkv.model.config import ModelConfig  # noqa: E402
+from agentkv.model.default_tokenizer import build_default_tokenizer  # noqa: E402
+from agentkv.model.dense_forward import dense_hidden, dense_logits, trainable_parameters  # noqa: E402
+from agentkv.model.llama import Transformer  # noqa: E402
+from agentkv.model.loader import hf_tensors, load_model  # noqa: E402
+from agentkv.model.tokenizer import Tokenizer  # noqa: E402
 
 # Model shapes (HF LlamaConfig fields). agent-8m: 7.6M parameters, 15.2 MB in
 # bf16, GQA 3:1, head_dim 64 (the shipped default). agent-25m: 8 layers, hidden

@@ -16,7 +16,7 @@ One random.Random(seed) draws everything from the pools of words, rules and
 templates in experiments/data/workloads.json: the same seed gives
 byte-identical JSON.
 
-    python experiments/workloads.py --shape 35 --seed 0 --out wf.json
+    python -m agentkv.experiments.workloads --shape 35 --seed 0 --out wf.json
 """
 from __future__ import annotations
 

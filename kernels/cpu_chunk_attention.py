@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_extension
-from kernels.cpu_paged_attention import require_supported, supports  # noqa: F401 (the decode kernel's shapes, for callers)
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import cpu_extension
+from agentkv.kernels.cpu_paged_attention import require_supported, supports  # noqa: F401 (the decode kernel's shapes, for callers)
+from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 extension = cpu_extension.Extension(

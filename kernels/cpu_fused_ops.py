@@ -10,7 +10,7 @@ no fused multiply-adds (built with -ffp-contract=off). Every row is computed
 on its own, so a row's bits do not depend on the batch.
 
 The extension is compiled on first use (kernels/cpu_extension.py); without a
-compiler, CpuKernelUnavailable, and kernels.select keeps the references (one
+compiler, CpuKernelUnavailable, and kernels.dispatch.select keeps the references (one
 warning).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_extension
-from kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import cpu_extension
+from agentkv.kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
+from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 

@@ -15,7 +15,7 @@ then; a step passes its token ids and metadata (forward), and the loop looks
 the ids up itself.
 
 The extension is compiled on first use (kernels/cpu_extension.py); without a
-compiler, CpuKernelUnavailable, and kernels.select keeps the Python loop
+compiler, CpuKernelUnavailable, and kernels.dispatch.select keeps the Python loop
 (one warning).
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_extension, cpu_fused_ops, cpu_paged_attention
-from kernels.cpu_linear import PackedLinear
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import cpu_extension, cpu_fused_ops, cpu_paged_attention
+from agentkv.kernels.cpu_linear import PackedLinear
+from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension
-from kernels.cpu_extension import CpuKernelUnavailable
+from agentkv.kernels import cpu_extension
+from agentkv.kernels.cpu_extension import CpuKernelUnavailable
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 BLOCK = 16  # outputs per packed block (kernels/cpu_linear.cpp's kBlock)

@@ -12,7 +12,7 @@ runs (tune_prefetch): which is faster depends on the host.
 
 The extension is compiled on first use (kernels/cpu_extension.py); a machine
 without a C++ compiler or ninja raises CpuKernelUnavailable here, and
-kernels.paged_attention falls back to the torch reference.
+kernels.dispatch.paged_attention falls back to the torch reference.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from kernels import cpu_extension, reference
-from kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import cpu_extension, reference
+from agentkv.kernels.cpu_extension import CpuKernelUnavailable  # noqa: F401 (what extension.load() raises, for callers)
+from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 

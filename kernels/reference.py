@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttnMetadata
+from agentkv.kernels.metadata import AttnMetadata
 
 
 # A sequence's keys are attended in fixed LOGICAL blocks: block b holds keys

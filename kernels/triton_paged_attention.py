@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttnMetadata
+from agentkv.kernels.metadata import AttnMetadata
 
 # A GPU is filled by a few hundred programs; below that the KV range is split.
 _TARGET_PROGRAMS = 512

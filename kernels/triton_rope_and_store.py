@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttnMetadata
+from agentkv.kernels.metadata import AttnMetadata
 
 
 @triton.jit

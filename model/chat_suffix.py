@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from model.tokenizer import TokenizerError
+from agentkv.model.tokenizer import TokenizerError
 
 if TYPE_CHECKING:
-    from model.tokenizer import Tokenizer
+    from agentkv.model.tokenizer import Tokenizer
 
 
 def anchor(messages: list[dict], k: int) -> list[dict]:

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.errors import ModelLoadError, UnsupportedModelError
+from agentkv.model.errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from model.errors import ModelLoadError
-from model.llama import Transformer
+from agentkv.model.errors import ModelLoadError
+from agentkv.model.llama import Transformer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "agent-8m"
 

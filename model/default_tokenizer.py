@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from model.tokenizer import render_chat_template
+from agentkv.model.tokenizer import render_chat_template
 
 __all__ = ["build_default_tokenizer", "generate_corpus", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS"]
 

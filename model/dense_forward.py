@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rmsnorm
-from model.llama import Attention, Transformer, linear
+from agentkv.kernels.reference import rmsnorm
+from agentkv.model.llama import Attention, Transformer, linear
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

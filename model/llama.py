@@ -11,13 +11,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-import kernels
-from kernels import AttnMetadata, cpu_layers, cpu_paged_attention, reference
-from kernels.metadata import bucket
-from model import packed_linear
-from model.config import ModelConfig
-from model.packed_linear import PackedWeights
-from model.rope import rope_tables
+from agentkv.kernels import cpu_layers, cpu_paged_attention, dispatch, reference
+from agentkv.kernels.metadata import AttnMetadata, bucket
+from agentkv.model import packed_linear
+from agentkv.model.config import ModelConfig
+from agentkv.model.packed_linear import PackedWeights
+from agentkv.model.rope import rope_tables
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -65,7 +64,7 @@ class Attention(nn.Module):
         self.packed: PackedWeights | None = None
 
     def forward(
-        self, ops: kernels.StepKernels, x: torch.Tensor, meta: AttnMetadata, k_cache, v_cache, cos, sin,
+        self, ops: dispatch.StepKernels, x: torch.Tensor, meta: AttnMetadata, k_cache, v_cache, cos, sin,
         o_rows: torch.Tensor, o_heads: torch.Tensor,
     ) -> torch.Tensor:
         """x: [R, hidden], the step's T tokens and R - T padding rows (see
@@ -94,7 +93,7 @@ class FeedForward(nn.Module):
         self.packed: PackedWeights | None = None
 
     def forward(self, x: torch.Tensor, silu_mul: Callable = reference.silu_mul) -> torch.Tensor:
-        """silu_mul: the step's (kernels.StepKernels.silu_mul); the default
+        """silu_mul: the step's (dispatch.StepKernels.silu_mul); the default
         is the differentiable reference (model/dense_forward.py trains through it)."""
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed)
         return linear(silu_mul(gate_up), self.down_weight, self.down_bias, self.packed)
@@ -174,7 +173,7 @@ class Transformer(nn.Module):
         # the blocks are run through their forward methods, not
         # Module.__call__ (no hooks are used, and its bookkeeping is a few
         # microseconds a call, 11 calls a layer).
-        ops = kernels.select(self.embed, layers[0][0])
+        ops = dispatch.select(self.embed, layers[0][0])
         cfg, dtype = self.cfg, self.embed.dtype
         o_rows, o_heads = scratch.attention_rows(input_ids.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, dtype)
         if ops.layer_loop and cpu_layers.runs(meta, dtype):

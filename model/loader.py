@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model.config import ModelConfig
-from model.errors import ModelLoadError
-from model.llama import Transformer, is_linear_weight
+from agentkv.model.config import ModelConfig
+from agentkv.model.errors import ModelLoadError
+from agentkv.model.llama import Transformer, is_linear_weight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -20,7 +20,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from agentkv.kernels import cpu_linear
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -20,7 +20,7 @@ It is run --repeats times, each from the same state (a new engine with the
 earlier turns replayed, untimed), the median per phase reported, then once
 more under torch.profiler.
 
-    python -m profiling.breakdown [--shape tiny|smollm2-135m | --model DIR] [--workflow 6] [--turn 4]
+    python -m agentkv.profiling.breakdown [--shape tiny|smollm2-135m | --model DIR] [--workflow 6] [--turn 4]
         [--mode stateful|stateless] [--speculative] [--max-gen 32] [--repeats 3] [--threads 2]
 
 Cost: each measured turn (and the profiled one) replays the turns before it
@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import kernels
-import model.tokenizer as tokenizer_module
-from engine.trace import nvtx_range
+from agentkv.kernels import dispatch
+import agentkv.model.tokenizer as tokenizer_module
+from agentkv.engine.trace import nvtx_range
 
 PHASES = ["render", "tokenize", "prefill", "decode", "verify", "draft", "sample", "detokenize", "parse_tools",
           "scheduling+bookkeeping"]
@@ -99,7 +99,7 @@ def step_phase(items) -> tuple[str, int]:
 def instrument_modules(clock: PhaseClock) -> None:
     """Wrap the module-level callables a turn goes through: the chat template
     renderer, the verify/sampling kernel and the tool-call parser."""
-    import engine.engine as engine_module
+    import agentkv.engine.engine as engine_module
 
     render = tokenizer_module.render_chat_template
 
@@ -109,13 +109,13 @@ def instrument_modules(clock: PhaseClock) -> None:
 
     tokenizer_module.render_chat_template = timed_render
 
-    verify = kernels.verify_drafts
+    verify = dispatch.verify_drafts
 
     def timed_verify(*a, **kw):
         with clock.phase("sample"):
             return verify(*a, **kw)
 
-    kernels.verify_drafts = timed_verify
+    dispatch.verify_drafts = timed_verify
 
     parse = engine_module.parse_tool_calls
 
@@ -160,12 +160,12 @@ def instrument_engine(eng, clock: PhaseClock) -> None:
 
 
 def load_engine(args):
-    from engine import Engine
+    from agentkv import Engine
 
     if args.model:
         path = Path(args.model)
     elif args.shape:
-        from experiments.bench_turns import prepare_checkpoint
+        from agentkv.experiments.bench_turns import prepare_checkpoint
 
         path = prepare_checkpoint(args.shape)
     else:
@@ -192,10 +192,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from engine import Engine
-    from experiments.bench_turns import prepare_requests, workflow
-    from experiments.common import machine, run_dir
-    from experiments.report import table
+    from agentkv import Engine
+    from agentkv.experiments.bench_turns import prepare_requests, workflow
+    from agentkv.experiments.common import machine, run_dir
+    from agentkv.experiments.report import table
 
     base = load_engine(args)
     wf = workflow(args.workflow, args.seed)
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(head)
     print(text)
     print("\ntop aten ops of the profiled turn:\n" + ops)
-    res = {"command": " ".join([sys.executable, "-m", "profiling.breakdown", *sys.argv[1:]]), "args": vars(args),
+    res = {"command": " ".join([sys.executable, "-m", "agentkv.profiling.breakdown", *sys.argv[1:]]), "args": vars(args),
            "machine": machine(), "turn": {"index": args.turn, "agent": target.agent, "prompt": len(target.ids),
                                           "gen": target.gen},
            "median_ms": {ph: v * 1e3 for ph, v in med.items()}, "total_ms": total * 1e3, "calls": calls,

@@ -33,8 +33,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: gpu_check.sh runs its tests
 # The interpreter must stay off for the benchmarks, and dispatch must follow the device.
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.pop("AGENTKV_KERNELS", None)
@@ -115,7 +114,7 @@ def _junit_counts(path: Path) -> dict:
 def attention_case(batch: int, delta: int, cached: int, heads=(32, 8), head_dim=128, page_size=16):
     """Paged inputs with random page permutations, and the same K/V gathered
     into contiguous [B, Hkv, S, D] tensors for SDPA."""
-    from kernels.metadata import AttnMetadata
+    from agentkv.kernels.metadata import AttnMetadata
 
     num_q_heads, num_kv_heads = heads
     seq_len = cached + delta
@@ -148,7 +147,7 @@ def sdpa_fn(q, k, v, delta: int, scale: float, expand: bool) -> Callable[[], tor
 
 
 def bench_attention_case(batch: int, delta: int, cached: int) -> dict:
-    from kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
+    from agentkv.kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
 
     heads, head_dim = (32, 8), 128
     seq_len = cached + delta
@@ -243,9 +242,9 @@ def _pair(ours: Callable, ref: Callable, bytes_moved: int) -> dict:
 
 
 def micro_rope() -> list[dict]:
-    from kernels import reference
-    from kernels.metadata import AttnMetadata
-    from kernels.triton_rope_and_store import rope_and_store
+    from agentkv.kernels import reference
+    from agentkv.kernels.metadata import AttnMetadata
+    from agentkv.kernels.triton_rope_and_store import rope_and_store
 
     rows = []
     hq, hkv, d, ps = 32, 8, 128, 16
@@ -273,8 +272,8 @@ def micro_rope() -> list[dict]:
 
 
 def micro_rmsnorm() -> list[dict]:
-    from kernels import reference
-    from kernels.triton_rmsnorm import rmsnorm
+    from agentkv.kernels import reference
+    from agentkv.kernels.triton_rmsnorm import rmsnorm
 
     rows = []
     dim = 4096
@@ -290,8 +289,8 @@ def micro_rmsnorm() -> list[dict]:
 
 
 def micro_copy_pages() -> list[dict]:
-    from kernels import reference
-    from kernels.triton_copy_pages import copy_pages
+    from agentkv.kernels import reference
+    from agentkv.kernels.triton_copy_pages import copy_pages
 
     rows = []
     layers, pages, ps, hkv, d = 32, 1024, 16, 8, 128
@@ -307,8 +306,8 @@ def micro_copy_pages() -> list[dict]:
 
 
 def micro_verify() -> list[dict]:
-    from kernels import reference
-    from kernels.triton_verify_drafts import verify_drafts
+    from agentkv.kernels import reference
+    from agentkv.kernels.triton_verify_drafts import verify_drafts
 
     rows = []
     vocab, k = 128256, 8
@@ -348,9 +347,9 @@ def run_engine(out: Path) -> dict:
     """The engine end to end on CUDA (Triton path): the same greedy tokens as
     the CPU torch path on the same fp32 weights, then the 12-turn stateful vs
     stateless benchmark on SmolLM2-135M's shape in bf16."""
-    from engine import Engine
-    from experiments import bench_session
-    from experiments.common import random_model
+    from agentkv import Engine
+    from agentkv.experiments import bench_session
+    from agentkv.experiments.common import random_model
 
     tokens = {}
     for device in ("cpu", "cuda"):
@@ -382,13 +381,13 @@ def compiled_variants() -> int | None:
     import pkgutil
 
     import triton
-    import kernels
+    from agentkv import kernels
 
     total = 0
     for info in pkgutil.iter_modules(kernels.__path__):
         if not info.name.startswith("triton_"):
             continue
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"agentkv.kernels.{info.name}")
         for fn in vars(module).values():
             if not isinstance(fn, triton.runtime.jit.JITFunction):
                 continue
@@ -406,8 +405,8 @@ def decode_rows(device: str = DEVICE, shape: str = "smollm2-135m", dtype=None, b
                 prompt_len: int = 1024, steps: int = 64) -> list[dict]:
     """Decode ms per step (one token for every sequence) after a prompt of
     prompt_len tokens each, eager and with decode graphs, non-speculative."""
-    from engine import Engine
-    from experiments.common import random_model
+    from agentkv import Engine
+    from agentkv.experiments.common import random_model
 
     dtype = dtype or torch.bfloat16
     model = random_model(shape, dtype, seed=0, device=device)

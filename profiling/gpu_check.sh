@@ -4,4 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET AGENTKV_KERNELS
-PYTHONUNBUFFERED=1 exec python3 profiling/gpu_check.py "$@"
+PY=$(command -v python3 || command -v python)
+# The code imports as agentkv: where this checkout is not installed (a bare
+# device machine, no registry to build from), a link named agentkv to it on
+# PYTHONPATH serves the same tree.
+if ! "$PY" -c "import agentkv" 2>/dev/null; then
+    LINK=$(mktemp -d)
+    ln -s "$PWD" "$LINK/agentkv"
+    export PYTHONPATH="$LINK${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PYTHONUNBUFFERED=1 exec "$PY" -m agentkv.profiling.gpu_check "$@"

@@ -36,13 +36,21 @@ CKPT=${CKPT:-$WORK.resume.pt}
 MODEL=$WORK/model
 
 mkdir -p "$OUT" "$MODEL"
+# The code imports as agentkv: where this checkout is not installed (a bare
+# device machine, no registry to build from), a link named agentkv to it on
+# PYTHONPATH serves the same tree.
+if ! "$PY" -c "import agentkv" 2>/dev/null; then
+    LINK=$(mktemp -d)
+    ln -s "$PWD" "$LINK/agentkv"
+    export PYTHONPATH="$LINK${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline WANDB_SILENT=true
 export WANDB_DIR=${WANDB_DIR:-${TMPDIR:-/tmp}/agentkv-wandb}
 unset TRITON_INTERPRET AGENTKV_KERNELS
 LIMIT=$("$PY" -c "print(int(float('$MINUTES') * 60 + 30))")
 
 echo "== train: $SHAPE, $MINUTES min on $DEVICE -> $MODEL ($("$PY" --version 2>&1); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-timeout -s INT -k 20 "$LIMIT" "$PY" -m experiments.train_agent_model --out "$MODEL" --minutes "$MINUTES" \
+timeout -s INT -k 20 "$LIMIT" "$PY" -m agentkv.experiments.train_agent_model --out "$MODEL" --minutes "$MINUTES" \
     --shape "$SHAPE" --device "$DEVICE" --ckpt "$CKPT" "$@"
 rc=$?
 echo "== train exit status $rc"
@@ -52,7 +60,7 @@ if ! ls "$MODEL"/model*.safetensors >/dev/null 2>&1; then
 fi
 
 echo "== eval: sets $EVAL_SETS through the engine (CPU), at most ${EVAL_LIMIT}s of turns"
-timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m experiments.eval_agent_model --model "$MODEL" --sets "$EVAL_SETS" \
+timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m agentkv.experiments.eval_agent_model --model "$MODEL" --sets "$EVAL_SETS" \
     --no-compare --reply-slack 24 --threads "$EVAL_THREADS" --time-limit "$EVAL_LIMIT" --out "$MODEL/eval.json"
 echo "== eval exit status $?"
 

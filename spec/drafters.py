@@ -6,9 +6,9 @@
 """
 from __future__ import annotations
 
-from spec.adaptive import AdaptiveLength
-from spec.ngram import NGramDrafter
-from spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
+from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.ngram import NGramDrafter
+from agentkv.spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
 
 KINDS = ("ngram", "suffix")
 

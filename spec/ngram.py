@@ -10,7 +10,7 @@ extending pushed.
 """
 from __future__ import annotations
 
-from spec.adaptive import AdaptiveLength
+from agentkv.spec.adaptive import AdaptiveLength
 
 
 class NGramDrafter(AdaptiveLength):

@@ -15,8 +15,8 @@ import itertools
 import weakref
 from collections import OrderedDict
 
-from spec.adaptive import AdaptiveLength
-from spec.suffix_tree import Draft, SuffixTree
+from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.suffix_tree import Draft, SuffixTree
 
 # SuffixDecoding's tree depth (vLLM's `method: suffix` defaults to 24, a draft
 # no longer than its match and no token below an estimated 0.1); on the agent

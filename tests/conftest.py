@@ -18,7 +18,7 @@ from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cache.pool import PagePool  # noqa: E402
+from agentkv.cache.pool import PagePool  # noqa: E402
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

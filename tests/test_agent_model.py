@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine
-from experiments import agent_data as D
-from experiments import agent_tasks as T
-from experiments.agent_data_alt import alt_episodes
-from model.default_tokenizer import build_default_tokenizer
-from model.dense_forward import dense_hidden, dense_logits
-from model.loader import load_model
-from model.tokenizer import Tokenizer
+from agentkv import Engine
+from agentkv.experiments import agent_data as D
+from agentkv.experiments import agent_tasks as T
+from agentkv.experiments.agent_data_alt import alt_episodes
+from agentkv.model.default_tokenizer import build_default_tokenizer
+from agentkv.model.dense_forward import dense_hidden, dense_logits
+from agentkv.model.loader import load_model
+from agentkv.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-4
@@ -148,7 +148,7 @@ def test_segmented_tokenization_equals_whole(tok):
 
 
 def test_eval_script_runs_through_the_engine(trained):
-    from experiments.eval_agent_model import SETS, eval_set, evaluate, report
+    from agentkv.experiments.eval_agent_model import SETS, eval_set, evaluate, report
 
     tok = Tokenizer.from_dir(trained)
     turns = eval_set(D.Renderer(tok), D.load_split(trained), 2048, 2, SETS, 8)
@@ -221,8 +221,8 @@ def test_alt_generator_shares_no_tool_or_argument_name_with_training():
 def test_eval_turns_are_the_same_in_every_process():
     """The held-out sets are a fixed benchmark: nothing in them may depend on
     the process (set order follows the string hash seed)."""
-    code = ("import hashlib, json; from experiments import agent_data as D, eval_agent_model as E; "
-            "from model.tokenizer import Tokenizer; r = D.Renderer(Tokenizer.from_dir('models/agent-8m')); "
+    code = ("import hashlib, json; from agentkv.experiments import agent_data as D, eval_agent_model as E; "
+            "from agentkv.model.tokenizer import Tokenizer; r = D.Renderer(Tokenizer.from_dir('models/agent-8m')); "
             "ts = E.eval_set(r, D.default_split(), 4096, 4, E.SETS, 256); "
             "print(hashlib.md5(json.dumps([[t.messages, t.tools, t.reply_text] for t in ts]).encode()).hexdigest())")
     # Both at once: each spends its ~4 s importing and building, on a core of its own where there are two.

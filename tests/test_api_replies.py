@@ -3,9 +3,9 @@ non-streamed content, never shows a stop string or a tool call's markup, and
 never has to be taken back."""
 import pytest
 
-from engine.api.replies import ReplyText
-from model.default_tokenizer import build_default_tokenizer
-from model.tokenizer import Tokenizer
+from agentkv.engine.api.replies import ReplyText
+from agentkv.model.default_tokenizer import build_default_tokenizer
+from agentkv.model.tokenizer import Tokenizer
 
 EOS = [2]
 

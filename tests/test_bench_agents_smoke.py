@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import bench_agents
+from agentkv.experiments import bench_agents
 
 SYSTEMS = ["agentkv", "agentkv-lru"]
 

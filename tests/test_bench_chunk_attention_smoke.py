@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from experiments import bench_chunk_attention
-from kernels import cpu_chunk_attention
+from agentkv.experiments import bench_chunk_attention
+from agentkv.kernels import cpu_chunk_attention
 
 pytestmark = pytest.mark.skipif(not cpu_chunk_attention.available(), reason="the chunk kernel did not build")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import bench_cpu_attention
-from kernels import cpu_paged_attention
+from agentkv.experiments import bench_cpu_attention
+from agentkv.kernels import cpu_paged_attention
 from tests.test_kernel_cpu_paged_attention import CASES, build
 
 pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(), reason="the decode kernel did not build")

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from experiments import bench_decode
-from experiments.drivers import llamacpp, vllm
+from agentkv.experiments import bench_decode
+from agentkv.experiments.drivers import llamacpp, vllm
 
 CONTEXTS = (48, 96)
 TOKENS, REPEATS = 5, 2
@@ -82,9 +82,9 @@ def test_absent_peers_are_skipped_with_a_reason(tmp_path, monkeypatch):
 
 
 def test_engine_decode_repeats_the_same_greedy_decode_from_the_kept_prompt():
-    from engine import Engine
-    from experiments.common import random_model
-    from experiments.drivers.engine_local import EngineDecode
+    from agentkv import Engine
+    from agentkv.experiments.common import random_model
+    from agentkv.experiments.drivers.engine_local import EngineDecode
 
     model = random_model("tiny", torch.float32, seed=3)
     ids = bench_decode.prompt_ids(model.cfg.vocab_size, 40, 0, set())
@@ -129,7 +129,7 @@ def test_grouped_schedule_times_each_system_back_to_back(tmp_path):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two vCPUs to tell a pin from none")
 def test_pin_puts_every_timed_request_on_the_given_vcpu_and_the_prefill_on_all(tmp_path, monkeypatch):
-    from experiments.drivers.engine_local import EngineDecode
+    from agentkv.experiments.drivers.engine_local import EngineDecode
 
     every, seen = os.sched_getaffinity(0), []
     real = EngineDecode.decode
@@ -154,7 +154,7 @@ def test_pin_puts_every_timed_request_on_the_given_vcpu_and_the_prefill_on_all(t
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs vCPUs 0 and 1")
 def test_pin_refuses_bad_lists_and_fewer_vcpus_than_threads(tmp_path):
-    from experiments.drivers.affinity import parse_cpus
+    from agentkv.experiments.drivers.affinity import parse_cpus
 
     assert parse_cpus("0") == [0] and parse_cpus(" 0 ") == [0] and parse_cpus("1,0") == parse_cpus("0-1") == [0, 1]
     for bad in ("", "x", "0-", "1-0", str(max(os.sched_getaffinity(0)) + 1)):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from experiments import bench_host_step
-from kernels import cpu_layers
+from agentkv.experiments import bench_host_step
+from agentkv.kernels import cpu_layers
 
 
 def test_writes_a_row_per_batch_with_counted_ops(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import bench_host_work
+from agentkv.experiments import bench_host_work
 
 
 def test_writes_results_and_both_modes_queue_the_same(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import bench_replicas
+from agentkv.experiments import bench_replicas
 
 
 def test_affinity_and_a_kill_complete_every_turn(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import bench_responses
+from agentkv.experiments import bench_responses
 
 SYSTEMS = ["responses", "chat"]
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from experiments import bench_turns  # noqa: E402
-from experiments.drivers import llamacpp, replay, vllm  # noqa: E402
-from experiments.drivers.checkpoint import prepare_checkpoint  # noqa: E402
+from agentkv.experiments import bench_turns  # noqa: E402
+from agentkv.experiments.drivers import llamacpp, replay, vllm  # noqa: E402
+from agentkv.experiments.drivers.checkpoint import prepare_checkpoint  # noqa: E402
 
 SYSTEMS = ["stateful", "stateless", "block", "hf", "hf-reuse"]
 
@@ -127,7 +127,7 @@ def test_live_replay_replays_the_models_own_replies(tmp_path):
 
 
 def test_turns_over_the_models_context_are_left_out(tmp_path):
-    from model.tokenizer import Tokenizer
+    from agentkv.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(prepare_checkpoint("tiny", 0))
     wf = replay.workflow("6", 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import bench_spec
+from agentkv.experiments import bench_spec
 
 
 def test_writes_results_and_every_drafter_is_greedy_identical(tmp_path):

@@ -1,9 +1,9 @@
 """Engine.chat: a re-sent history pays only for what changed."""
 import pytest
 
-from engine import Engine, InvalidRequestError
-from engine.engine import common_prefix_len
-from engine.session import Session
+from agentkv import Engine, InvalidRequestError
+from agentkv.engine.engine import common_prefix_len
+from agentkv.engine.session import Session
 from tests.conftest import assert_all_pages_free
 
 SYSTEM = "You are a careful agent. Use the tools to inspect the repository before answering."

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.chat_suffix import anchor, render_suffix, reply_gap
-from model.tokenizer import Tokenizer, TokenizerError
+from agentkv.model.chat_suffix import anchor, render_suffix, reply_gap
+from agentkv.model.tokenizer import Tokenizer, TokenizerError
 from tests.test_tokenizer import (  # noqa: F401 (fixtures)
     conversations, default_dir, llama_dir, named_dir, qwen_dir, tool_lists,
 )

@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 
-from cache.block_table import BlockTable
-from cache.pool import PagePool
-from engine import Engine
-from engine.decode_graphs import MAX_QUERY, MIN_SEQ_BUCKET, DecodeGraphs
-from engine.limits import Limits
-from engine.runner import StepItem
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.pool import PagePool
+from agentkv import Engine
+from agentkv.engine.decode_graphs import MAX_QUERY, MIN_SEQ_BUCKET, DecodeGraphs
+from agentkv.engine.limits import Limits
+from agentkv.engine.runner import StepItem
 from tests.hf_models import make_hf_model
 
 PS = 4

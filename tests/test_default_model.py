@@ -3,8 +3,8 @@ and the engine's own chat template renders tool calls it can parse."""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import Engine
-from model.default import default_model_dir
+from agentkv import Engine
+from agentkv.model.default import default_model_dir
 
 
 def test_transformers_loads_the_default_checkpoint_with_matching_logits():

@@ -4,8 +4,8 @@ rope scaling, biases, q/k/v bias, sliding windows), and that it trains."""
 import pytest
 import torch
 
-from model.dense_forward import dense_hidden, dense_logits, trainable_parameters
-from model.loader import hf_tensors, load_model
+from agentkv.model.dense_forward import dense_hidden, dense_logits, trainable_parameters
+from agentkv.model.loader import hf_tensors, load_model
 from tests.hf_models import HF_MODELS, make_hf_model
 
 ATOL = 1e-4

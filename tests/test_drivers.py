@@ -13,10 +13,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from experiments.drivers.peer import PeerSystem
-from experiments.drivers.servers import COUNTERS, ServerProcess, parse_metrics, start_engine_server
-from experiments.drivers.system import ROOT, Request
-from experiments.report import WandbRun, publish, pyplot, save_figure
+from agentkv.experiments.drivers.peer import PeerSystem
+from agentkv.experiments.drivers.servers import COUNTERS, ServerProcess, parse_metrics, start_engine_server
+from agentkv.experiments.drivers.system import ROOT, Request
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure
 
 STAND_IN_DRIVER = """
 import sys

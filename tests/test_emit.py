@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.emit import verdicts
+from agentkv.engine.emit import verdicts
 
 
 def _greedy() -> SimpleNamespace:

@@ -40,8 +40,8 @@ from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI
 from pydantic import BaseModel, Field
 
-from engine import Engine
-from engine.api import create_app
+from agentkv import Engine
+from agentkv.engine.api import create_app
 from tests.conftest import assert_all_pages_free, http_server
 
 MODEL = "agentkv-default"  # as serve.py names the embedded model, so that the README's snippets run as written

@@ -8,11 +8,11 @@ import jsonschema
 import pytest
 import torch
 
-from engine import Engine, InvalidRequestError
-from engine.grammar import GrammarError, GrammarState
-from engine.structured import request_grammar
-from model.default import random_init
-from model.tool_calls import parse_tool_calls
+from agentkv import Engine, InvalidRequestError
+from agentkv.engine.grammar import GrammarError, GrammarState
+from agentkv.engine.structured import request_grammar
+from agentkv.model.default import random_init
+from agentkv.model.tool_calls import parse_tool_calls
 from tests.test_speculation import FixedDrafter
 
 TOOLS = [

@@ -1,5 +1,5 @@
 """Per-step host work (issue #18, item 2): a forward chooses its kernels once
-(kernels.select) and agrees with the per-op dispatchers; what a runner keeps
+(dispatch.select) and agrees with the per-op dispatchers; what a runner keeps
 across steps (model.llama.ForwardScratch: each layer's K/V views, the zeroed
 attention rows) changes no bit and is made once; the torch attention plans
 only the sequences it runs."""
@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from cache.block_table import BlockTable
-from cache.pool import PagePool
-from engine import Engine
-from engine.runner import ModelRunner, StepItem
-from experiments.common import random_model
-from kernels import cpu_chunk_attention, cpu_fused_ops, cpu_paged_attention, reference
-from kernels.metadata import AttnMetadata
-from model.llama import ForwardScratch
+from agentkv.kernels import dispatch
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.pool import PagePool
+from agentkv import Engine
+from agentkv.engine.runner import ModelRunner, StepItem
+from agentkv.experiments.common import random_model
+from agentkv.kernels import cpu_chunk_attention, cpu_fused_ops, cpu_paged_attention, reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model.llama import ForwardScratch
 
 PS = 4
 
@@ -26,8 +26,8 @@ def test_select_chooses_what_the_dispatchers_run(dtype, monkeypatch):
     pool = PagePool(2, 2, 64, 8, PS, dtype, "cpu")
     k_cache = pool.kv[0, 0]
     x = torch.zeros(3, 384, dtype=dtype)
-    chosen = kernels.select(x, k_cache)
-    assert chosen is kernels.select(x, k_cache)  # decided once, then looked up
+    chosen = dispatch.select(x, k_cache)
+    assert chosen is dispatch.select(x, k_cache)  # decided once, then looked up
     if cpu_fused_ops.available():
         assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.rope_and_store is cpu_fused_ops.rope_and_store
     else:
@@ -35,25 +35,25 @@ def test_select_chooses_what_the_dispatchers_run(dtype, monkeypatch):
     if not cpu_paged_attention.available():
         expected = reference.paged_attention
     elif cpu_chunk_attention.available():
-        expected = kernels._cpu_attention_with_chunks
+        expected = dispatch._cpu_attention_with_chunks
     else:
         expected = cpu_paged_attention.paged_attention
     assert chosen.paged_attention is expected
     monkeypatch.setenv("AGENTKV_KERNELS", "torch")
-    forced = kernels.select(x, k_cache)
+    forced = dispatch.select(x, k_cache)
     assert forced.paged_attention is reference.paged_attention and forced.rmsnorm is reference.rmsnorm
     assert forced.rope_and_store is reference.rope_and_store
     monkeypatch.setenv("AGENTKV_KERNELS", "cuda")
     with pytest.raises(ValueError, match="AGENTKV_KERNELS"):
-        kernels.select(x, k_cache)
+        dispatch.select(x, k_cache)
 
 
 def test_select_follows_a_failed_build(monkeypatch):
     pool = PagePool(1, 2, 64, 4, PS, torch.float32, "cpu")
     monkeypatch.setattr(cpu_paged_attention.extension, "error", "no g++ here")
-    monkeypatch.setattr(kernels, "_warned", [])
+    monkeypatch.setattr(dispatch, "_warned", [])
     with pytest.warns(RuntimeWarning, match="no g"):
-        chosen = kernels.select(torch.zeros(1, 8), pool.kv[0, 0])
+        chosen = dispatch.select(torch.zeros(1, 8), pool.kv[0, 0])
     assert chosen.paged_attention is reference.paged_attention
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache import hugepages
-from cache.pool import PagePool
+from agentkv.cache import hugepages
+from agentkv.cache.pool import PagePool
 
 
 def anon_huge_kb() -> int:

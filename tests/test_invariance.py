@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from cache.pool import PagePool
-from kernels import reference
-from kernels.metadata import AttnMetadata
-from model import packed_linear
-from model.config import ModelConfig
-from model.default import random_init
-from model.llama import Transformer
+from agentkv.cache.pool import PagePool
+from agentkv.kernels import reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model import packed_linear
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import random_init
+from agentkv.model.llama import Transformer
 
 
 def placements(n: int, num_pages: int, seed: int) -> dict[str, list[int]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_copy_pages import copy_pages
+from agentkv.kernels import reference
+from agentkv.kernels.triton_copy_pages import copy_pages
 
 # (layers, pages, page_size, kv heads, head_dim, copies); the last page is
 # 32 * 4 * 64 elements, more than one program's block.

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_chunk_attention, cpu_paged_attention, reference
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import dispatch
+from agentkv.kernels import cpu_chunk_attention, cpu_paged_attention, reference
+from agentkv.kernels.metadata import AttnMetadata
 from tests.test_kernel_cpu_paged_attention import DTYPES, TOL, build
 
 if not cpu_chunk_attention.available():
@@ -126,9 +126,9 @@ def test_bits_do_not_depend_on_placement_batch_or_chunking(dtype, window):
 def test_dispatch_runs_the_chunk_kernel_for_long_sequences(monkeypatch):
     x = torch.zeros(3, 576)
     q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
-    chosen = kernels.select(x, k_cache)
-    assert chosen.paged_attention is kernels._cpu_attention_with_chunks
-    got = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    chosen = dispatch.select(x, k_cache)
+    assert chosen.paged_attention is dispatch._cpu_attention_with_chunks
+    got = dispatch.paged_attention(q, k_cache, v_cache, meta, 0.125)
     want = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)  # chunks by the reference
     start = 0
     for q_len in meta.query_lens_list:
@@ -143,15 +143,15 @@ def test_dispatch_runs_the_chunk_kernel_for_long_sequences(monkeypatch):
 
 def test_a_failed_build_leaves_chunks_to_the_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_chunk_attention.extension, "error", "building cpu_chunk_attention.cpp failed: no g++")
-    monkeypatch.setattr(kernels, "_warned_chunks", [])
+    monkeypatch.setattr(dispatch, "_warned_chunks", [])
     q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
     with pytest.warns(RuntimeWarning, match="no g\\+\\+"):
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(out, cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125))
-    assert kernels.select(torch.zeros(1, 576), k_cache).paged_attention is cpu_paged_attention.paged_attention
+    assert dispatch.select(torch.zeros(1, 576), k_cache).paged_attention is cpu_paged_attention.paged_attention
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+        dispatch.paged_attention(q, k_cache, v_cache, meta, 0.125)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(24, torch.float32), (64, torch.float16), (144, torch.float32)])

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension
 
-from kernels.cpu_extension import CpuKernelUnavailable, Extension, cpu_tag
+from agentkv.kernels.cpu_extension import CpuKernelUnavailable, Extension, cpu_tag
 
 
 @pytest.fixture(autouse=True)

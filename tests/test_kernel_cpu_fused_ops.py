@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_fused_ops, reference
-from kernels.metadata import AttnMetadata
-from model.rope import rope_tables
+from agentkv.kernels import dispatch
+from agentkv.kernels import cpu_fused_ops, reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model.rope import rope_tables
 
 if not cpu_fused_ops.available():
     pytest.skip(f"the C++ extension did not build: {cpu_fused_ops.build_error()}", allow_module_level=True)
@@ -173,28 +173,28 @@ def test_rope_and_store_refuses_mixed_dtypes():
 def test_select_and_dispatchers_run_the_fused_ops():
     x = torch.zeros(2, 64)
     k_cache = torch.zeros(4, 4, 2, 64)
-    chosen = kernels.select(x, k_cache)
+    chosen = dispatch.select(x, k_cache)
     assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.rope_and_store is cpu_fused_ops.rope_and_store
     assert chosen.silu_mul is cpu_fused_ops.silu_mul
     # bf16 activations over an fp32 cache: the fused ops take one dtype, so the references run.
-    mixed = kernels.select(x.bfloat16(), k_cache)
+    mixed = dispatch.select(x.bfloat16(), k_cache)
     assert mixed.rmsnorm is reference.rmsnorm and mixed.rope_and_store is reference.rope_and_store
     x, residual, weight = _rows(3, 64, torch.float32, seed=4)
-    assert all(torch.equal(a, b) for a, b in zip(kernels.rmsnorm(x, weight, 1e-6, residual),
+    assert all(torch.equal(a, b) for a, b in zip(dispatch.rmsnorm(x, weight, 1e-6, residual),
                                                  reference.rmsnorm(x, weight, 1e-6, residual)))
 
 
 def test_a_failed_build_falls_back_to_the_references_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_fused_ops.extension, "error", "no g++ here")
-    monkeypatch.setattr(kernels, "_warned_fused", [])
+    monkeypatch.setattr(dispatch, "_warned_fused", [])
     x = torch.zeros(1, 16)
     with pytest.warns(RuntimeWarning, match="no g"):
-        chosen = kernels.select(x, torch.zeros(2, 4, 1, 16))
+        chosen = dispatch.select(x, torch.zeros(2, 4, 1, 16))
     assert chosen.rmsnorm is reference.rmsnorm and chosen.rope_and_store is reference.rope_and_store
     assert chosen.silu_mul is reference.silu_mul
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kernels.rmsnorm(x, torch.ones(16), 1e-6)
+        dispatch.rmsnorm(x, torch.ones(16), 1e-6)
     with pytest.raises(cpu_fused_ops.CpuKernelUnavailable, match="no g\\+\\+"):
         cpu_fused_ops.rmsnorm(x, torch.ones(16), 1e-6)
 

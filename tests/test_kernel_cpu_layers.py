@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_layers, cpu_linear, cpu_paged_attention
-from kernels.metadata import AttnMetadata
-from model import llama
-from model.config import ModelConfig
-from model.default import random_init
-from model.llama import ForwardScratch, Transformer
+from agentkv.kernels import dispatch
+from agentkv.kernels import cpu_layers, cpu_linear, cpu_paged_attention
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model import llama
+from agentkv.model.config import ModelConfig
+from agentkv.model.default import random_init
+from agentkv.model.llama import ForwardScratch, Transformer
 
 PS = 8  # page size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,7 +44,7 @@ def model_of(name: str, dtype: torch.dtype) -> Transformer:
             b.attn_norm.add_(torch.linspace(-0.3, 0.3, 64).to(dtype))
             b.mlp_norm.sub_(torch.linspace(-0.2, 0.2, 64).to(dtype))
     model.prepack()
-    if model.packed is None or model.packed.kernel != "cpp" or not kernels.select(
+    if model.packed is None or model.packed.kernel != "cpp" or not dispatch.select(
         torch.zeros(1, dtype=dtype), torch.zeros(1, PS, 2, 16, dtype=dtype)
     ).layer_loop:
         pytest.skip(f"the C++ kernels do not all run {dtype} here")
@@ -153,19 +153,19 @@ def test_a_failed_build_keeps_the_python_loop_with_one_warning(monkeypatch):
     model = model_of("llama", torch.float32)
     steps = Steps(model, 2)
     monkeypatch.setattr(cpu_layers.extension, "error", "no g++ here")
-    monkeypatch.setattr(kernels, "_warned_layers", [])
+    monkeypatch.setattr(dispatch, "_warned_layers", [])
     x, k_cache = torch.zeros(1), steps.kv[0, 0]
     with pytest.warns(RuntimeWarning, match="no g\\+\\+ here"):
-        assert not kernels.select(x, k_cache).layer_loop
+        assert not dispatch.select(x, k_cache).layer_loop
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not kernels.select(x, k_cache).layer_loop  # warned once
+        assert not dispatch.select(x, k_cache).layer_loop  # warned once
         meta = AttnMetadata.build([3, 1], [3, 1], steps.tables[:2], PS)
         ids = torch.arange(4)
         kv_py = steps.kv.clone()
         got = model(ids, meta, steps.kv)
     monkeypatch.undo()
-    assert kernels.select(x, k_cache).layer_loop  # built again: the loop runs
+    assert dispatch.select(x, k_cache).layer_loop  # built again: the loop runs
     assert same(got, model(ids, meta, kv_py)) and torch.equal(steps.kv, kv_py)
 
 

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from kernels import cpu_linear
-from model import packed_linear
-from model.llama import linear
+from agentkv.kernels import cpu_linear
+from agentkv.model import packed_linear
+from agentkv.model.llama import linear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -174,7 +174,7 @@ def test_choose_prefers_the_kernel_and_rejects_unknown_names():
 def test_bench_runs_and_sums_a_step():
     """Smoke test of experiments.bench_cpu_linear on agent-8m's shapes."""
     needs(torch.float32)
-    from experiments import bench_cpu_linear
+    from agentkv.experiments import bench_cpu_linear
 
     res = bench_cpu_linear.main(["--models", "agent-8m", "--rows", "1,3", "--threads", "1", "--dtypes", "float32",
                                  "--repeats", "1", "--stream-mb", "1"])

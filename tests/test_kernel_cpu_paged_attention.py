@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_extension, cpu_paged_attention, reference
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import dispatch
+from agentkv.kernels import cpu_extension, cpu_paged_attention, reference
+from agentkv.kernels.metadata import AttnMetadata
 
 if not cpu_paged_attention.available():
     pytest.skip(f"the C++ extension did not build: {cpu_paged_attention.build_error()}", allow_module_level=True)
@@ -168,23 +168,23 @@ def test_bits_do_not_depend_on_placement_or_batch(dtype, window, monkeypatch):
 def test_dispatch_runs_the_kernel_on_cpu_and_env_forces_the_reference(monkeypatch):
     q, k_cache, v_cache, meta = build(CASES[1], torch.bfloat16)
     kernel = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)
-    assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, meta, 0.125), kernel)
+    assert torch.equal(dispatch.paged_attention(q, k_cache, v_cache, meta, 0.125), kernel)
     monkeypatch.setenv("AGENTKV_KERNELS", "torch")
-    forced = kernels.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    forced = dispatch.paged_attention(q, k_cache, v_cache, meta, 0.125)
     assert torch.equal(forced, reference.paged_attention(q, k_cache, v_cache, meta, 0.125))
     assert not torch.equal(forced, kernel)  # a different path, not the same bits by accident
 
 
 def test_a_failed_build_falls_back_to_the_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_paged_attention.extension, "error", "building cpu_paged_attention.cpp failed: no g++")
-    monkeypatch.setattr(kernels, "_warned", [])
+    monkeypatch.setattr(dispatch, "_warned", [])
     q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
     with pytest.warns(RuntimeWarning, match="no g\\+\\+"):
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.25)
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, 0.25)
     assert torch.equal(out, reference.paged_attention(q, k_cache, v_cache, meta, 0.25))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        kernels.paged_attention(q, k_cache, v_cache, meta, 0.25)
+        dispatch.paged_attention(q, k_cache, v_cache, meta, 0.25)
     with pytest.raises(cpu_paged_attention.CpuKernelUnavailable, match="no g\\+\\+"):
         cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.25)
 
@@ -196,7 +196,7 @@ def test_unsupported_shapes_are_refused_and_dispatched_to_the_reference(head_dim
     assert not cpu_paged_attention.supports(q, k_cache)
     with pytest.raises(ValueError, match="head_dim"):
         cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.1)
-    assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, meta, 0.1),
+    assert torch.equal(dispatch.paged_attention(q, k_cache, v_cache, meta, 0.1),
                        reference.paged_attention(q, k_cache, v_cache, meta, 0.1))
 
 

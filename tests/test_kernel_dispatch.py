@@ -8,37 +8,37 @@ import types
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from agentkv.kernels import dispatch
+from agentkv.kernels import reference
 
 OPS = ["paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_drafts"]
 
 
 def test_importing_triton_modules_keeps_dispatchers():
     for op in OPS:
-        module = importlib.import_module(f"kernels.triton_{op}")
+        module = importlib.import_module(f"agentkv.kernels.triton_{op}")
         assert isinstance(module, types.ModuleType) and callable(getattr(module, op))
-        assert callable(getattr(kernels, op)) and not isinstance(getattr(kernels, op), types.ModuleType)
-    assert type(kernels) is types.ModuleType  # no module-class override
+        assert callable(getattr(dispatch, op)) and not isinstance(getattr(dispatch, op), types.ModuleType)
+    assert type(dispatch) is types.ModuleType  # no module-class override
 
 
 def test_bad_kernels_mode_is_refused(monkeypatch):
     monkeypatch.setenv("AGENTKV_KERNELS", "cuda")
     with pytest.raises(ValueError, match="AGENTKV_KERNELS"):
-        kernels.rmsnorm(torch.ones(1, 4), torch.ones(4), 1e-6)
+        dispatch.rmsnorm(torch.ones(1, 4), torch.ones(4), 1e-6)
 
 
 def test_forced_triton_matches_reference(monkeypatch, device):
     monkeypatch.setenv("AGENTKV_KERNELS", "triton")
     x = torch.randn(3, 40, device=device)
     weight = torch.randn(40, device=device)
-    out, _ = kernels.rmsnorm(x, weight, 1e-6)
+    out, _ = dispatch.rmsnorm(x, weight, 1e-6)
     torch.testing.assert_close(out, reference.rmsnorm(x, weight, 1e-6)[0], atol=1e-5, rtol=1e-5)
 
     logits = torch.randn(3, 20, device=device)
     cu_rows = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
     drafts = torch.stack([logits[0].argmax(), logits[0].argmax()]).reshape(2, 1)
     lens = torch.tensor([1, 0], dtype=torch.int32, device=device)
-    got = kernels.verify_drafts(logits, cu_rows, drafts, lens)
+    got = dispatch.verify_drafts(logits, cu_rows, drafts, lens)
     expected = reference.verify_drafts(logits, cu_rows, drafts, lens)
     assert [t.tolist() for t in got] == [t.tolist() for t in expected]

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import AttnMetadata
-from kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
+from agentkv.kernels import reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.kernels.triton_paged_attention import _num_splits, _tile_sizes, paged_attention
 
 # (id, page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window)
 # Each batch mixes decode (Δ=1), empty caches, caches shorter than a page, chunks

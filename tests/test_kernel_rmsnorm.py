@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_rmsnorm import rmsnorm
+from agentkv.kernels import reference
+from agentkv.kernels.triton_rmsnorm import rmsnorm
 
 SHAPES = [(1, 16), (7, 100), (5, 4096), (2, 3, 24)]
 # fp32 differs by summation order only; bf16/fp16 may round one element the other way.

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import AttnMetadata
-from kernels.triton_rope_and_store import rope_and_store
+from agentkv.kernels import reference
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.kernels.triton_rope_and_store import rope_and_store
 
 # (id, page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)])
 CASES = [

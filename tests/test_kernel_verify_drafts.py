@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.triton_verify_drafts import verify_drafts
+from agentkv.kernels import reference
+from agentkv.kernels.triton_verify_drafts import verify_drafts
 
 # (vocab, draft lens): V above one 4096-lane block exercises the chunked scans.
 SHAPES = [(50, [0, 1, 3, 4, 2]), (10000, [4, 0, 2, 3])]

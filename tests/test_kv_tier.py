@@ -4,8 +4,8 @@ that never left; what the tier cannot hold or cannot verify is recomputed."""
 import pytest
 import torch
 
-from cache.kv_tier import KVTier
-from engine import Engine
+from agentkv.cache.kv_tier import KVTier
+from agentkv import Engine
 from tests.hf_models import make_hf_model
 
 VOCAB = 320
@@ -222,7 +222,7 @@ def test_a_restore_without_room_for_all_of_it_waits_for_the_rest(reference):
     """While another request holds most of the pool, a returning session
     restores what fits and waits for room for the rest: nothing the tier
     holds is recomputed."""
-    from engine.limits import Limits
+    from agentkv.engine.limits import Limits
 
     # Small prompt chunks: one would fit where the whole restore does not.
     limits = Limits(prefill_chunk=32, max_num_batched_tokens=128)

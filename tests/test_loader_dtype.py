@@ -4,9 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from model import loader
-from model.config import ModelConfig
-from model.errors import ModelLoadError
+from agentkv.model import loader
+from agentkv.model.config import ModelConfig
+from agentkv.model.errors import ModelLoadError
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                   head_dim=8, max_position_embeddings=64)
@@ -47,7 +47,7 @@ def test_config_json_names_the_dtype():
 
 
 def test_the_embedded_model_loads_in_its_own_dtype_with_auto(monkeypatch):
-    from engine import Engine
+    from agentkv import Engine
 
     monkeypatch.setattr(loader, "_cpu_has_bf16_dot", lambda: True)
     assert Engine.from_pretrained(dtype="auto", num_pages=4).model.dtype == torch.bfloat16

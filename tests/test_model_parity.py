@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine import Engine
+from agentkv import Engine
 from tests.hf_models import HF_MODELS, make_hf_model
 
 ATOL = 1e-4

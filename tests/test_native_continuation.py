@@ -15,10 +15,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from engine import Engine
-from engine.api import create_app
-from engine.structured import request_grammar
-from model.chat_suffix import render_suffix
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.structured import request_grammar
+from agentkv.model.chat_suffix import render_suffix
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec.ngram import NGramDrafter
+from agentkv.spec.ngram import NGramDrafter
 
 
 def naive_propose(history: list[int], k: int, max_n: int, min_n: int) -> list[int]:

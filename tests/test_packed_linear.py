@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.common import random_model
-from kernels.metadata import AttnMetadata
-from model import packed_linear
-from model.default import random_init
-from model.llama import linear
+from agentkv.experiments.common import random_model
+from agentkv.kernels.metadata import AttnMetadata
+from agentkv.model import packed_linear
+from agentkv.model.default import random_init
+from agentkv.model.llama import linear
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 

@@ -3,7 +3,7 @@ reused KV equals recomputed KV, memory pressure evicts idle work only."""
 import pytest
 import torch
 
-from engine import Engine, KVCapacityError
+from agentkv import Engine, KVCapacityError
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
@@ -117,7 +117,7 @@ def test_agents_that_start_together_compute_their_shared_prompt_once(ckpt):
     """Requests queued at once with a common system prompt: one computes it
     (published chunk by chunk), the others wait and match it; each reply
     equals the one it gets alone."""
-    from engine.limits import Limits
+    from agentkv.engine.limits import Limits
 
     limits = Limits(prefill_chunk=32, max_num_batched_tokens=128)
     engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=128, limits=limits)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from experiments.proc_usage import (TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, vcpu_ticks,
+from agentkv.experiments.proc_usage import (TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, vcpu_ticks,
                                     wait_quiet)
 
 

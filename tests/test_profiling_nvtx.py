@@ -1,4 +1,4 @@
-from engine.trace import nvtx_range
+from agentkv.engine.trace import nvtx_range
 
 
 def test_nvtx_range_wraps_and_propagates():
@@ -15,7 +15,7 @@ def test_nvtx_range_wraps_and_propagates():
 def test_nvtx_range_pushes_and_pops_around_the_body_where_cuda_is(monkeypatch):
     import torch
 
-    from engine import trace
+    from agentkv.engine import trace
 
     calls = []
     monkeypatch.setattr(trace, "_cuda", lambda: True)

@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache.block_table import BlockTable
-from cache.errors import KVCapacityError
-from cache.pool import PagePool
-from cache.radix import RadixCache
+from agentkv.cache.block_table import BlockTable
+from agentkv.cache.errors import KVCapacityError
+from agentkv.cache.pool import PagePool
+from agentkv.cache.radix import RadixCache
 
 NAMESPACES = ("a", "b")
 MAX_LEN = 32

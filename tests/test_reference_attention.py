@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.metadata import AttnMetadata
+from agentkv.kernels import reference
+from agentkv.kernels.metadata import AttnMetadata
 
 # (page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window, contiguous pages)
 CASES = [

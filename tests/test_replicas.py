@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.api import cluster as cluster_module
-from engine.api.cluster import Cluster, RouterMissingError, StartError
-from experiments.drivers.servers import free_port, parse_metrics
+from agentkv.engine.api import cluster as cluster_module
+from agentkv.engine.api.cluster import Cluster, RouterMissingError, StartError
+from agentkv.experiments.drivers.servers import free_port, parse_metrics
 
 MODEL = "agentkv-replicas"
 SESSIONS = [f"agent-{i}" for i in range(8)]

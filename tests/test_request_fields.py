@@ -14,9 +14,9 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import Engine
-from engine.api import create_app
-from engine.api.responses_schemas import Response
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.api.responses_schemas import Response
 from tests.conftest import assert_all_pages_free
 from tests.test_responses_api import CHAT_TOOL, MODEL, TOOL, ask
 

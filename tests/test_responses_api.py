@@ -12,9 +12,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import Engine
-from engine.api import create_app
-from engine.api.tenants import ApiKeys
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.api.tenants import ApiKeys
 from tests.conftest import assert_all_pages_free
 
 MODEL = "agentkv-test"

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import Engine, InvalidRequestError
-from engine.retention import Retention, RetentionConfig
+from agentkv import Engine, InvalidRequestError
+from agentkv.engine.retention import Retention, RetentionConfig
 from tests.test_kv_tier import PS, ckpt, ids, reference  # noqa: F401 (fixtures)
 
 

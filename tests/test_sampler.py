@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from model.sampler import (
+from agentkv.model.sampler import (
     SamplingParams,
     draw_uniforms,
     make_generator,

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from engine import Engine, KVCapacityError
+from agentkv import Engine, KVCapacityError
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 

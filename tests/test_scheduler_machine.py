@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine import Engine
-from engine.errors import EngineError, KVCapacityError
-from engine.limits import Limits
+from agentkv import Engine
+from agentkv.engine.errors import EngineError, KVCapacityError
+from agentkv.engine.limits import Limits
 from tests.hf_models import make_hf_model
 
 PS = 4

@@ -8,7 +8,7 @@ import openai
 import pytest
 import uvicorn
 
-import serve
+from agentkv import serve
 
 
 @pytest.fixture

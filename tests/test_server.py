@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from engine import ChatResult, Engine
-from engine.api import create_app
+from agentkv import ChatResult, Engine
+from agentkv.engine.api import create_app
 from tests.conftest import assert_all_pages_free, http_server
 
 MODEL = "agentkv-test"

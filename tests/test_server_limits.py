@@ -9,9 +9,9 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import Engine
-from engine.api import create_app
-from engine.limits import Limits
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.limits import Limits
 
 MODEL = "agentkv-limits"
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from engine import Engine, KVCapacityError
-from engine.errors import PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
-from engine.limits import Limits
+from agentkv import Engine, KVCapacityError
+from agentkv.engine.errors import PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
+from agentkv.engine.limits import Limits
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 
@@ -218,7 +218,7 @@ def test_cancel_rolls_back_within_a_step(ckpt):
 
 
 def test_a_failing_grammar_fails_only_its_own_request(ckpt, monkeypatch):
-    from engine.grammar import GrammarState
+    from agentkv.engine.grammar import GrammarState
 
     engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64)
     good, bad = engine.session(), engine.session()
@@ -302,7 +302,7 @@ def test_session_limit_closes_the_longest_idle_and_idle_timeout_closes(ckpt, mon
     for _ in range(5):
         b.generate(max_tokens=1, ignore_eos=True)
     assert len(engine.stats) == 3  # a bounded ring
-    import engine.scheduler as sched_module
+    import agentkv.engine.scheduler as sched_module
 
     now = time.monotonic()
     monkeypatch.setattr(sched_module.time, "monotonic", lambda: now + 61.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import (
+from agentkv import (
     ContextLengthError,
     Engine,
     InvalidRequestError,

@@ -6,13 +6,13 @@ no draft from another namespace's outputs."""
 import pytest
 import torch
 
-import engine.scheduler as scheduler_module
-from engine import Engine
-from engine.structured import request_grammar
-from model.default import random_init
-from model.sampler import SamplingParams, make_generator, probs_from_logits
-from spec.drafters import KINDS
-from spec.schema_phrases import continuations, schema_phrases
+import agentkv.engine.scheduler as scheduler_module
+from agentkv import Engine
+from agentkv.engine.structured import request_grammar
+from agentkv.model.default import random_init
+from agentkv.model.sampler import SamplingParams, make_generator, probs_from_logits
+from agentkv.spec.drafters import KINDS
+from agentkv.spec.schema_phrases import continuations, schema_phrases
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
 

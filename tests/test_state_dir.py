@@ -18,9 +18,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from engine import Engine
-from engine.api import create_app
-from engine.api.tenants import OPEN_TENANT, Tenant
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.api.tenants import OPEN_TENANT, Tenant
 
 MODEL = "agentkv-state"
 ROOT = Path(__file__).resolve().parent.parent

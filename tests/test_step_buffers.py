@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine import Engine
-from engine.limits import Limits
-from kernels.metadata import AttnMetadata, StepBuffers, bucket
+from agentkv import Engine
+from agentkv.engine.limits import Limits
+from agentkv.kernels.metadata import AttnMetadata, StepBuffers, bucket
 from tests.hf_models import make_hf_model
 
 PS = 4

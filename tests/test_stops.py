@@ -2,7 +2,7 @@
 begins, whichever of the stops it is, and the stop is not part of it."""
 import pytest
 
-from engine.stops import cut_at_stop, first_stop
+from agentkv.engine.stops import cut_at_stop, first_stop
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec.drafters import Drafters
-from spec.suffix import NodeBudget, OutputTree, OutputTrees, SuffixDrafter
-from spec.suffix_tree import SuffixTree
+from agentkv.spec.drafters import Drafters
+from agentkv.spec.suffix import NodeBudget, OutputTree, OutputTrees, SuffixDrafter
+from agentkv.spec.suffix_tree import SuffixTree
 
 VOCAB = 3
 

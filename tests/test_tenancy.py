@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-import serve
-from engine import Engine
-from engine.api import create_app
-from engine.api.gate import Gate
-from engine.api.quotas import Quotas
-from engine.api.tenants import ApiKeys, ApiKeysError, Tenant, key_tenant_name, parse_keys_file
+from agentkv import serve
+from agentkv import Engine
+from agentkv.engine.api import create_app
+from agentkv.engine.api.gate import Gate
+from agentkv.engine.api.quotas import Quotas
+from agentkv.engine.api.tenants import ApiKeys, ApiKeysError, Tenant, key_tenant_name, parse_keys_file
 
 MODEL = "agentkv-tenancy"
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
@@ -487,7 +487,7 @@ def test_a_tenants_session_quota_counts_its_sessions_on_every_replica(tmp_path):
 def test_a_state_folder_of_the_earlier_record_names_resumes_once(tmp_path):
     """Records named before names began with their tenant's digest are renamed
     on resume: a session saved later is not shadowed by its old record."""
-    from engine.api import session_files
+    from agentkv.engine.api import session_files
 
     def server() -> TestClient:
         engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv")

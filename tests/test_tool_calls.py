@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.tool_calls import detect_tool_call_format, parse_tool_calls
+from agentkv.model.tool_calls import detect_tool_call_format, parse_tool_calls
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 

@@ -3,8 +3,8 @@ torch path: same tokens from the same weights."""
 import pytest
 import torch
 
-from engine import Engine
-from experiments.common import random_model
+from agentkv import Engine
+from agentkv.experiments.common import random_model
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.workloads import (
+from agentkv.experiments.workloads import (
     COPY_KINDS,
     TASKS,
     Workflow,
@@ -92,7 +92,7 @@ def test_bytes_do_not_depend_on_the_hash_seed(tmp_path):
     for hash_seed in ("1", "2"):
         out = tmp_path / f"wf{hash_seed}.json"
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-        cmd = [sys.executable, "experiments/workloads.py", "--shape", "35", "--seed", "0", "--out", str(out)]
+        cmd = [sys.executable, "-m", "agentkv.experiments.workloads", "--shape", "35", "--seed", "0", "--out", str(out)]
         printed = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
         assert "35 assistant turns" in printed
         outputs.append(out.read_bytes())

@@ -1,4 +1,4 @@
 """The OpenAI-compatible HTTP API of the engine (FastAPI)."""
-from engine.api.app import create_app
+from agentkv.engine.api.app import create_app
 
 __all__ = ["create_app"]

@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from engine.api import chat, completions, responses, session_routes
-from engine.api.errors import install_error_handlers
-from engine.api.gate import Gate
-from engine.api.metrics import RequestCounter
-from engine.api.quotas import Quotas
-from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
-from engine.api.schemas import ModelCard, ModelList
-from engine.api.state import ApiState
-from engine.api.tenants import ApiKeys
+from agentkv.engine.api import chat, completions, responses, session_routes
+from agentkv.engine.api.errors import install_error_handlers
+from agentkv.engine.api.gate import Gate
+from agentkv.engine.api.metrics import RequestCounter
+from agentkv.engine.api.quotas import Quotas
+from agentkv.engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from agentkv.engine.api.schemas import ModelCard, ModelList
+from agentkv.engine.api.state import ApiState
+from agentkv.engine.api.tenants import ApiKeys
 
 if TYPE_CHECKING:
-    from engine import Engine
+    from agentkv import Engine
 
 DRAIN_TIMEOUT_S = 30.0
 

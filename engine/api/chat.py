@@ -35,13 +35,13 @@ from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 
-from engine import ChatResult
-from engine.chat_turn import ChatTurn
-from engine.request import OnDone, OnTokens
-from engine.api.errors import APIError
-from engine.api.generation import Generation
-from engine.api.replies import ReplyText
-from engine.api.schemas import (
+from agentkv import ChatResult
+from agentkv.engine.chat_turn import ChatTurn
+from agentkv.engine.request import OnDone, OnTokens
+from agentkv.engine.api.errors import APIError
+from agentkv.engine.api.generation import Generation
+from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.schemas import (
     SESSION_ID_PATTERN,
     ChatChoice,
     ChatCompletion,
@@ -56,10 +56,10 @@ from engine.api.schemas import (
     Usage,
     template_message,
 )
-from engine.api.sessions import Lease
-from engine.api.sse import DONE, error_event, event, event_stream
-from engine.api.state import ApiState
-from engine.api.tenants import Tenant, tenant_of
+from agentkv.engine.api.sessions import Lease
+from agentkv.engine.api.sse import DONE, error_event, event, event_stream
+from agentkv.engine.api.state import ApiState
+from agentkv.engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter()
 

@@ -163,7 +163,7 @@ class Cluster:
         return self
 
     def _replica(self, i: int, port: int) -> _Process:
-        cmd = [sys.executable, "serve.py", "--host", "127.0.0.1", "--port", str(port),
+        cmd = [sys.executable, "-m", "agentkv.serve", "--host", "127.0.0.1", "--port", str(port),
                "--state-dir", str(self.state_dir), "--shared-state", *self.serve_args]
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         return _Process(f"replica {i}", cmd, self.log_dir / f"replica-{i}.log", env)

@@ -14,14 +14,14 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from engine.api.errors import APIError
-from engine.api.generation import Generation
-from engine.api.replies import ReplyText
-from engine.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
-from engine.api.sse import DONE, error_event, event, event_stream
-from engine.api.state import ApiState
-from engine.api.tenants import Tenant, tenant_of
-from engine.request import OnDone, OnTokens, Request as EngineRequest
+from agentkv.engine.api.errors import APIError
+from agentkv.engine.api.generation import Generation
+from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
+from agentkv.engine.api.sse import DONE, error_event, event, event_stream
+from agentkv.engine.api.state import ApiState
+from agentkv.engine.api.tenants import Tenant, tenant_of
+from agentkv.engine.request import OnDone, OnTokens, Request as EngineRequest
 
 router = APIRouter()
 

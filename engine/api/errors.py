@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.errors import (
+from agentkv.engine.errors import (
     ContextLengthError,
     EngineError,
     InvalidRequestError,
@@ -29,7 +29,7 @@ from engine.errors import (
     SessionClosedError,
     TooManySessionsError,
 )
-from model.tokenizer import TokenizerError
+from agentkv.model.tokenizer import TokenizerError
 
 log = logging.getLogger("agentkv.api")
 

@@ -15,9 +15,9 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.api.errors import APIError
-from engine.api.quotas import Quotas
-from engine.api.tenants import ApiKeys
+from agentkv.engine.api.errors import APIError
+from agentkv.engine.api.quotas import Quotas
+from agentkv.engine.api.tenants import ApiKeys
 
 
 class Gate:

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.stats import Histogram
+from agentkv.engine.stats import Histogram
 
 if TYPE_CHECKING:
-    from engine import Engine
-    from engine.api.sessions import SessionRegistry
+    from agentkv import Engine
+    from agentkv.engine.api.sessions import SessionRegistry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # TurnStats field -> (metric name, help)

@@ -16,10 +16,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from engine.api.errors import APIError
+from agentkv.engine.api.errors import APIError
 
 if TYPE_CHECKING:
-    from engine import Engine, Session
+    from agentkv import Engine, Session
 
 # When neither the model's generation config nor --default-max-tokens says:
 # a budget that ends a runaway generation without cutting real replies.

@@ -17,10 +17,10 @@ import json
 import re
 from dataclasses import dataclass
 
-from engine.api.schemas import ResponseFunctionCall, ResponseToolCall
-from engine.stops import cut_at_stop, first_stop
-from model.tokenizer import IncrementalDecoder, Tokenizer
-from model.tool_calls import parse_tool_calls
+from agentkv.engine.api.schemas import ResponseFunctionCall, ResponseToolCall
+from agentkv.engine.stops import cut_at_stop, first_stop
+from agentkv.model.tokenizer import IncrementalDecoder, Tokenizer
+from agentkv.model.tool_calls import parse_tool_calls
 
 # What starts a tool call in each format's replies.
 _MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",)}

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.api.json_files import JsonFiles
-from engine.api.session_files import check_tokens
+from agentkv.engine.api.json_files import JsonFiles
+from agentkv.engine.api.session_files import check_tokens
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
 

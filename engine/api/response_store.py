@@ -33,14 +33,14 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.api.errors import not_found
-from engine.api.quotas import check_held
-from engine.api.response_files import ResponseFiles, SavedResponse
-from engine.api.responses_schemas import Response
-from engine.errors import EngineError
+from agentkv.engine.api.errors import not_found
+from agentkv.engine.api.quotas import check_held
+from agentkv.engine.api.response_files import ResponseFiles, SavedResponse
+from agentkv.engine.api.responses_schemas import Response
+from agentkv.engine.errors import EngineError
 
 if TYPE_CHECKING:
-    from engine import Engine, Session
+    from agentkv import Engine, Session
 
 log = logging.getLogger("agentkv.responses")
 

@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from cache.tokens import common_prefix_len
-from engine.api.errors import APIError
-from engine.api.replies import ReplyText
-from engine.api.response_store import HeldText, ResponseStore, StoredResponse
-from engine.api.responses_schemas import (
+from agentkv.cache.tokens import common_prefix_len
+from agentkv.engine.api.errors import APIError
+from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.response_store import HeldText, ResponseStore, StoredResponse
+from agentkv.engine.api.responses_schemas import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
@@ -52,7 +52,7 @@ from engine.api.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from engine.api.schemas import (
+from agentkv.engine.api.schemas import (
     AssistantMessage,
     FunctionCall,
     FunctionDefinition,
@@ -65,17 +65,17 @@ from engine.api.schemas import (
     UserMessage,
     template_message,
 )
-from engine.request import OnDone, OnTokens
-from engine.structured import request_grammar
+from agentkv.engine.request import OnDone, OnTokens
+from agentkv.engine.structured import request_grammar
 
 if TYPE_CHECKING:
-    from engine import Engine, Session
-    from engine.request import Request as EngineRequest
-    from engine.api.replies import Reply
-    from engine.api.state import ApiState
-    from engine.grammar import Grammar
-    from engine.stats import TurnStats
-    from model.tokenizer import Tokenizer
+    from agentkv import Engine, Session
+    from agentkv.engine.request import Request as EngineRequest
+    from agentkv.engine.api.replies import Reply
+    from agentkv.engine.api.state import ApiState
+    from agentkv.engine.grammar import Grammar
+    from agentkv.engine.stats import TurnStats
+    from agentkv.model.tokenizer import Tokenizer
 
 
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}

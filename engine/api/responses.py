@@ -32,12 +32,12 @@ from typing import Annotated, AsyncIterator, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
-from engine.api.errors import APIError, from_exception
-from engine.api.generation import Generation
-from engine.api.replies import ReplyText
-from engine.api.response_store import ResponseStore, StoredResponse
-from engine.api.response_turn import ResponseTurn, Turn, TurnRequest, new_item_id, shell
-from engine.api.responses_schemas import (
+from agentkv.engine.api.errors import APIError, from_exception
+from agentkv.engine.api.generation import Generation
+from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.response_store import ResponseStore, StoredResponse
+from agentkv.engine.api.response_turn import ResponseTurn, Turn, TurnRequest, new_item_id, shell
+from agentkv.engine.api.responses_schemas import (
     InputItemList,
     NamedFunctionChoice,
     OutputFunctionCall,
@@ -47,9 +47,9 @@ from engine.api.responses_schemas import (
     ResponseDeleted,
     ResponsesRequest,
 )
-from engine.api.sse import event_stream
-from engine.api.state import ApiState
-from engine.api.tenants import tenant_of
+from agentkv.engine.api.sse import event_stream
+from agentkv.engine.api.state import ApiState
+from agentkv.engine.api.tenants import tenant_of
 
 router = APIRouter(prefix="/v1/responses")
 

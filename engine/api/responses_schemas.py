@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
-from engine.api.schemas import (
+from agentkv.engine.api.schemas import (
     CacheSalt,
     JSONObjectFormat,
     JSONSchemaSpec,

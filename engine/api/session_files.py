@@ -21,10 +21,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.api.json_files import JsonFiles, Stamp
-from engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
-from engine.api.tenants import TENANT_NAME
-from engine.message_log import MessageLog
+from agentkv.engine.api.json_files import JsonFiles, Stamp
+from agentkv.engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
+from agentkv.engine.api.tenants import TENANT_NAME
+from agentkv.engine.message_log import MessageLog
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request
 
-from engine.api.schemas import (
+from agentkv.engine.api.schemas import (
     SESSION_ID_PATTERN, RetainRequest, SessionCreateRequest, SessionInfo, SessionList, TruncateRequest,
 )
-from engine.api.sessions import SessionRegistry
-from engine.api.state import ApiState
-from engine.api.tenants import Tenant, tenant_of
+from agentkv.engine.api.sessions import SessionRegistry
+from agentkv.engine.api.state import ApiState
+from agentkv.engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter(prefix="/v1/sessions")
 SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]

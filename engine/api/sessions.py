@@ -33,16 +33,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.api.errors import APIError, not_found
-from engine.api.quotas import check_held
-from engine.api.schemas import SessionInfo, TurnRecord
-from engine.api.json_files import Stamp
-from engine.api.session_files import SavedSession, SessionFiles
-from engine.api.tenants import Tenant
-from engine.errors import EngineError
+from agentkv.engine.api.errors import APIError, not_found
+from agentkv.engine.api.quotas import check_held
+from agentkv.engine.api.schemas import SessionInfo, TurnRecord
+from agentkv.engine.api.json_files import Stamp
+from agentkv.engine.api.session_files import SavedSession, SessionFiles
+from agentkv.engine.api.tenants import Tenant
+from agentkv.engine.errors import EngineError
 
 if TYPE_CHECKING:
-    from engine import Engine, Session
+    from agentkv import Engine, Session
 
 log = logging.getLogger("agentkv.sessions")
 

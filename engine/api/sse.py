@@ -9,7 +9,7 @@ from typing import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from engine.api.errors import from_exception
+from agentkv.engine.api.errors import from_exception
 
 DONE = "data: [DONE]\n\n"
 

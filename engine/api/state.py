@@ -8,19 +8,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.api.errors import APIError, not_found
-from engine.api.metrics import Metrics
-from engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held, kv_pages_held
-from engine.api.response_files import ResponseFiles
-from engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
-from engine.api.session_files import SessionFiles
-from engine.api.sessions import SessionRegistry
-from engine.api.tenants import ApiKeys, Tenant
-from engine.structured import tool_call_format
+from agentkv.engine.api.errors import APIError, not_found
+from agentkv.engine.api.metrics import Metrics
+from agentkv.engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held, kv_pages_held
+from agentkv.engine.api.response_files import ResponseFiles
+from agentkv.engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from agentkv.engine.api.session_files import SessionFiles
+from agentkv.engine.api.sessions import SessionRegistry
+from agentkv.engine.api.tenants import ApiKeys, Tenant
+from agentkv.engine.structured import tool_call_format
 
 if TYPE_CHECKING:
-    from engine import Engine
-    from model.tokenizer import Tokenizer
+    from agentkv import Engine
+    from agentkv.model.tokenizer import Tokenizer
 
 
 @dataclass(eq=False)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import SHAPES, random_model
-from experiments.drivers.system import ROOT
+from agentkv.experiments.common import SHAPES, random_model
+from agentkv.experiments.drivers.system import ROOT
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 # The 35-turn workflow's prompts reach 28k tokens.
@@ -35,9 +35,9 @@ def hf_config(shape: str, tokenizer) -> dict:
 def prepare_checkpoint(shape: str, seed: int = 0, root: Path | None = None) -> Path:
     """A random-init model of `shape` with the project's tokenizer, saved once
     in Hugging Face layout (fp32) under runs/checkpoints/."""
-    from model.default import default_model_dir
-    from model.loader import save_model
-    from model.tokenizer import Tokenizer
+    from agentkv.model.default import default_model_dir
+    from agentkv.model.loader import save_model
+    from agentkv.model.tokenizer import Tokenizer
 
     root = root or ROOT / "runs" / "checkpoints"
     path = root / f"{shape}-seed{seed}"

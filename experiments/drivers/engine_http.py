@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 
-from experiments.drivers.system import WireTurn
+from agentkv.experiments.drivers.system import WireTurn
 
 
 class Wire:

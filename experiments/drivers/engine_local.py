@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import time
 
-from experiments.drivers.system import Request, kv_tokens_needed, turn_row
+from agentkv.experiments.drivers.system import Request, kv_tokens_needed, turn_row
 
 KINDS = ("stateful", "stateless", "block")
 
@@ -24,7 +24,7 @@ def engine_pages(reqs: list[Request], page_size: int, kind: str = "stateful") ->
 
 def warm_engine(model, tokenizer, reqs: list[Request], page_size: int) -> None:
     """One short request on a throwaway engine, before any timed turn."""
-    from engine import Engine
+    from agentkv import Engine
 
     eng = Engine(model, tokenizer, page_size=page_size, num_pages=64, prefix_cache=False)
     with eng.session() as s:
@@ -46,7 +46,7 @@ class EngineSystem:
         self.sessions: dict[str, object] = {}
 
     def begin(self) -> None:
-        from engine import Engine
+        from agentkv import Engine
 
         self.end()
         kind = self.name
@@ -96,7 +96,7 @@ class EngineDecode:
     name = "ours"
 
     def __init__(self, model, num_pages: int, page_size: int = 16):
-        from engine import Engine
+        from agentkv import Engine
 
         # No prefix cache: each prompt lives in its own session, so nothing would match.
         self.eng = Engine(model, None, page_size=page_size, num_pages=num_pages, prefix_cache=False)

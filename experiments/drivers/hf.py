@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.chat_turn import common_prefix_len
-from experiments.drivers.system import Request, turn_row
+from agentkv.engine.chat_turn import common_prefix_len
+from agentkv.experiments.drivers.system import Request, turn_row
 
 KINDS = ("hf", "hf-reuse")
 

@@ -10,8 +10,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from experiments.drivers.peer import PeerSystem
-from experiments.drivers.system import ROOT, Request, rel
+from agentkv.experiments.drivers.peer import PeerSystem
+from agentkv.experiments.drivers.system import ROOT, Request, rel
 
 LLAMACPP_VENV = ROOT / ".venv-llamacpp"
 KINDS = ("llamacpp-keep", "llamacpp-reset")

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from experiments.drivers.system import ROOT, Request, turn_row
+from agentkv.experiments.drivers.system import ROOT, Request, turn_row
 
 
 class PeerSystem:

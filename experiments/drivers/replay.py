@@ -3,8 +3,8 @@ turn's whole history, rendered once with the project's chat template, and
 as many tokens to generate as the reference reply has."""
 from __future__ import annotations
 
-from experiments.drivers.system import Request
-from experiments.workloads import Workflow, six_turn_workflow, thirty_five_turn_workflow
+from agentkv.experiments.drivers.system import Request
+from agentkv.experiments.workloads import Workflow, six_turn_workflow, thirty_five_turn_workflow
 
 
 def workflow(name: str, seed: int) -> Workflow:

@@ -26,7 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments.drivers.system import ROOT
+from agentkv.experiments.drivers.system import ROOT
 
 # vLLM's names; this engine's /metrics exports them too.
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total")
@@ -146,7 +146,7 @@ def start_engine_server(model: str | Path | None = None, *, port: int | None = N
     serve.py's flags, e.g. --kv-cache-gb, --max-num-seqs) on 127.0.0.1.
     threads: OMP_NUM_THREADS, torch's intra-op threads (default: all cores)."""
     port = port or free_port()
-    cmd = [sys.executable, "serve.py", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "agentkv.serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", str(model)] if model else []
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     return ServerProcess(cmd + list(extra_args), port, env=env, log=log, startup_timeout=startup_timeout,
@@ -160,7 +160,7 @@ class InProcessServer(_Server):
     def __init__(self, engine, model_name: str):
         import uvicorn
 
-        from engine.api import create_app
+        from agentkv.engine.api import create_app
 
         self.engine = engine
         sock = socket.socket()

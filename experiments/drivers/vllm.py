@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from experiments.drivers.peer import PeerSystem
-from experiments.drivers.servers import ServerProcess, free_port
-from experiments.drivers.system import ROOT, Request, WireTurn, kv_tokens_needed, rel
+from agentkv.experiments.drivers.peer import PeerSystem
+from agentkv.experiments.drivers.servers import ServerProcess, free_port
+from agentkv.experiments.drivers.system import ROOT, Request, WireTurn, kv_tokens_needed, rel
 
 VLLM_VENV = ROOT / ".venv-vllm"
 KINDS = ("vllm-apc", "vllm-noapc")
