@@ -71,9 +71,10 @@ def read_bandwidth(repeats: int, huge_pages: bool = False) -> float:
     return buf.numel() * 4 / median(times) / 1e9
 
 
-# The files of the decode kernel at a revision: its source and, since the
-# chunk kernel shares it, the header it includes.
-KERNEL_FILES = ("cpu_paged_attention.cpp", "cpu_attention.h")
+# The files of the decode kernel at a revision: its source and the headers
+# it includes (shared with the chunk kernel; the ISA-named library since
+# revisions have one).
+KERNEL_FILES = ("cpu_paged_attention.cpp", "cpu_attention.h", "cpu_library.h")
 
 
 def kernel_variant(files: dict[str, str]) -> Callable:
@@ -85,19 +86,21 @@ def kernel_variant(files: dict[str, str]) -> Callable:
     source = files["cpu_paged_attention.cpp"]
     tag = hashlib.sha1("".join(files.values()).encode()).hexdigest()[:10]
     ns = f"agentkv_variant_{tag}"
-    renamed = source.replace("TORCH_LIBRARY(agentkv_cpu,", f"TORCH_LIBRARY({ns},")
-    if renamed == source:
-        raise ValueError("the source registers no TORCH_LIBRARY(agentkv_cpu, ...)")
+    renamed = source.replace("AGENTKV_LIBRARY(agentkv_cpu,", f"AGENTKV_LIBRARY({ns},")
+    if renamed == source:  # a revision before the ISA-named libraries: today's header names it
+        renamed = '#include "cpu_library.h"\n' + source.replace("TORCH_LIBRARY(agentkv_cpu,", f"AGENTKV_LIBRARY({ns},")
+    if ns not in renamed:
+        raise ValueError("the source registers no AGENTKV_LIBRARY(agentkv_cpu, ...) or TORCH_LIBRARY(agentkv_cpu, ...)")
     folder = Path(tempfile.gettempdir()) / ns
     folder.mkdir(exist_ok=True)
     (folder / f"{ns}.cpp").write_text(renamed)
-    headers = []
-    for name, text in files.items():
+    headers = {"cpu_library.h": cpu_extension.LIBRARY_HEADER.read_text(), **files}
+    for name, text in headers.items():
         if name.endswith(".h"):
             (folder / name).write_text(text)
-            headers.append(folder / name)
-    ext = cpu_extension.Extension(ns, folder / f"{ns}.cpp", lambda: getattr(torch.ops, ns).paged_attention_few,
-                                  headers=headers)
+    ext = cpu_extension.Extension(ns, folder / f"{ns}.cpp", ns,
+                                  lambda library: getattr(torch.ops, library).paged_attention_few,
+                                  headers=[folder / name for name in headers if name.endswith(".h")])
     op = ext.load()
     # Revisions before the prefetch distance was an argument prefetch as they were built.
     takes_prefetch = any(a.name == "prefetch" for a in op.default._schema.arguments)

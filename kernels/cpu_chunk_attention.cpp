@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -420,7 +422,7 @@ void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(agentkv_cpu_chunk, m) {
+AGENTKV_LIBRARY(agentkv_cpu_chunk, m) {
   m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
         "Tensor block_tables, float scale, int window, int longer_than, Tensor(a!) out) -> ()");
   m.impl("chunk_attention", c10::DispatchKey::CPU, &chunk_attention);

@@ -23,7 +23,8 @@ from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 extension = cpu_extension.Extension(
-    "agentkv_cpu_chunk_attention", SOURCE, lambda: torch.ops.agentkv_cpu_chunk.chunk_attention,
+    "agentkv_cpu_chunk_attention", SOURCE, "agentkv_cpu_chunk",
+    lambda library: getattr(torch.ops, library).chunk_attention,
     headers=[cpu_extension.ATTENTION_HEADER],
 )
 build_error, available = extension.build_error, extension.available

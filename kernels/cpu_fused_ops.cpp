@@ -15,6 +15,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -312,7 +314,7 @@ extern "C" __m256 Sleef_expf8_u10(__m256);
 
 inline float silu_scalar(float x) { return x / (1.0f + std::exp(-x)); }
 
-// buf[0, n) = silu(buf) in place, for n a multiple of the vector's lanes.
+// buf[0, n) = silu(buf) in place, for n a multiple of vector_bytes / 4 lanes.
 void silu_vectors(float* buf, int64_t n, int64_t vector_bytes) {
 #ifdef __AVX512F__
   if (vector_bytes == 64) {
@@ -347,11 +349,9 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n, int64_t vector_
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t vector_bytes) {
-#ifdef __AVX512F__
+  // A build without AVX512 still follows ATen's AVX512 split (64): Sleef's
+  // 8-lane exp gives each element the bits of its 16-lane one.
   TORCH_CHECK_VALUE(vector_bytes == 32 || vector_bytes == 64, "vector_bytes must be 32 or 64");
-#else
-  TORCH_CHECK_VALUE(vector_bytes == 32, "this build has no AVX512: vector_bytes must be 32");
-#endif
   TORCH_CHECK_VALUE(gate_up.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK_VALUE(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
                     "float32 or bfloat16 only, not ", gate_up.scalar_type());
@@ -385,7 +385,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t vector_bytes) {
 
 }  // namespace
 
-TORCH_LIBRARY(agentkv_cpu_fused, m) {
+AGENTKV_LIBRARY(agentkv_cpu_fused, m) {
   m.def("rmsnorm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int vector_bytes) -> Tensor");
@@ -393,7 +393,7 @@ TORCH_LIBRARY(agentkv_cpu_fused, m) {
         "Tensor(c!) v_cache, Tensor positions, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(agentkv_cpu_fused, CPU, m) {
+AGENTKV_LIBRARY_IMPL(agentkv_cpu_fused, m) {
   m.impl("rmsnorm", &rmsnorm);
   m.impl("add_rmsnorm", &add_rmsnorm);
   m.impl("rope_and_store", &rope_and_store);

@@ -32,7 +32,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 VECTOR_BYTES = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 
 extension = cpu_extension.Extension(
-    "agentkv_cpu_fused", SOURCE, lambda: torch.ops.agentkv_cpu_fused, cflags=["-ffp-contract=off"]
+    "agentkv_cpu_fused", SOURCE, "agentkv_cpu_fused", lambda library: getattr(torch.ops, library),
+    cflags=["-ffp-contract=off"],
 )
 build_error, available = extension.build_error, extension.available
 

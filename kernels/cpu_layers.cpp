@@ -19,6 +19,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
+
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -52,15 +54,15 @@ c10::TypedOperatorHandle<F> handle(const char* name) {
 
 const Ops& ops() {
   static const Ops o{
-      handle<Tensor(const Tensor&, const Tensor&, double)>("agentkv_cpu_fused::rmsnorm"),
+      handle<Tensor(const Tensor&, const Tensor&, double)>(AGENTKV_OP("agentkv_cpu_fused", "rmsnorm")),
       handle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>(
-          "agentkv_cpu_fused::add_rmsnorm"),
+          AGENTKV_OP("agentkv_cpu_fused", "add_rmsnorm")),
       handle<void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&,
-                  const Tensor&)>("agentkv_cpu_fused::rope_and_store"),
-      handle<Tensor(const Tensor&, int64_t)>("agentkv_cpu_fused::silu_mul"),
-      handle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("agentkv_cpu_linear::linear"),
+                  const Tensor&)>(AGENTKV_OP("agentkv_cpu_fused", "rope_and_store")),
+      handle<Tensor(const Tensor&, int64_t)>(AGENTKV_OP("agentkv_cpu_fused", "silu_mul")),
+      handle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>(AGENTKV_OP("agentkv_cpu_linear", "linear")),
       handle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                  int64_t, int64_t, int64_t, int64_t, Tensor)>("agentkv_cpu::paged_attention_few"),
+                  int64_t, int64_t, int64_t, int64_t, Tensor)>(AGENTKV_OP("agentkv_cpu", "paged_attention_few")),
   };
   return o;
 }
@@ -164,7 +166,7 @@ struct Layers : torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY(agentkv_cpu_layers, m) {
+AGENTKV_LIBRARY(agentkv_cpu_layers, m) {
   m.class_<Layers>("Layers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, Tensor, Tensor, Tensor, Tensor, Tensor, int64_t,
                        int64_t>())

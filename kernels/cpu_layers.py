@@ -31,7 +31,9 @@ from agentkv.kernels.metadata import AttnMetadata
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 
-extension = cpu_extension.Extension("agentkv_cpu_layers", SOURCE, lambda: torch.classes.agentkv_cpu_layers.Layers)
+extension = cpu_extension.Extension(
+    "agentkv_cpu_layers", SOURCE, "agentkv_cpu_layers", lambda library: getattr(torch.classes, library).Layers
+)
 build_error, available = extension.build_error, extension.available
 
 

@@ -9,6 +9,13 @@
 // (a SmolLM2 decode step's linears, bf16, one thread: 18-20 against 22 GB/s
 // without, docs/bench_cpu_linear.md).
 //
+// Two vector ISAs from the one source, chosen by the build's flags
+// (kernels/cpu_extension.py builds one library per ISA): AVX-512, where a
+// block of 16 outputs is one register and bf16 pairs go through vdpbf16ps
+// (AVX512-BF16) or are widened to fp32; AVX2+FMA, where a block is two
+// registers, bf16 is always widened (exact: a bf16 is the top half of an
+// fp32) and the tiles are smaller to fit 16 registers.
+//
 // Bit invariance: every output element accumulates over `in` in the same
 // order with the same instruction whatever the tile it falls in (a tile's
 // rows and blocks only share loads), so a row's result does not depend on
@@ -16,6 +23,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "cpu_library.h"
 
 #include <immintrin.h>
 
@@ -26,40 +35,118 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // outputs per packed block: one fp32 vector
-constexpr int kVecs = 4;        // blocks per tile
-constexpr int kRows = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 registers
-// bf16 blocks per tile at up to kWideRows rows (a decode step's one row): 8
-// streams in flight rather than 4, 2 x 8 accumulators + 8 weights + 1
-// broadcast registers. At one row and 4 blocks, bf16 on one core read its
-// weights at 73-90% of a plain read, at 8 blocks 97%; fp32 (96% at 4) got
-// slower at 8 (docs/bench_cpu_linear.md, round 2).
-constexpr int kWideVecs = 8;
-constexpr int kWideRows = 2;
+constexpr int64_t kBlock = 16;  // outputs per packed block: 16 fp32 lanes
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
+#define AGENTKV_LINEAR_VECTORS 1
+// The 16 fp32 outputs of one block in one register.
+struct Lanes {
+  __m512 v;
+  static Lanes zero() { return {_mm512_setzero_ps()}; }
+  static Lanes splat(float x) { return {_mm512_set1_ps(x)}; }
+  static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  // 16 (even, odd) bf16 input pairs widened: the even input is the low half
+  // of each 32-bit pair, the odd one the high half.
+  static void load_pairs(const uint16_t* p, Lanes& even, Lanes& odd) {
+    const __m512i u = _mm512_loadu_si512(p);
+    even.v = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    odd.v = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  }
+  void fma(const Lanes& x, const Lanes& w) { v = _mm512_fmadd_ps(x.v, w.v, v); }
+  Lanes operator+(const Lanes& o) const { return {_mm512_add_ps(v, o.v)}; }
+};
 
-inline __m512 bias_vec(const float* b, int64_t n) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), b);
+inline Lanes bias_lanes(const float* b, int64_t n) {
+  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), b)};
 }
-inline __m512 bias_vec(const c10::BFloat16* b, int64_t n) {
+inline Lanes bias_lanes(const c10::BFloat16* b, int64_t n) {
   const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), b);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
 
-inline void store_vec(float* dst, __m512 v, int64_t n) {
-  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << n) - 1), v);
+inline void store_lanes(float* dst, const Lanes& v, int64_t n) {
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << n) - 1), v.v);
 }
 // Round to nearest even as c10::BFloat16 (torch's .to(bfloat16)) does, NaN
 // to 0x7fc0; vcvtneps2bf16 would flush denormals, which torch keeps.
-inline void store_vec(c10::BFloat16* dst, __m512 v, int64_t n) {
-  const __m512i u = _mm512_castps_si512(v);
+inline void store_lanes(c10::BFloat16* dst, const Lanes& v, int64_t n) {
+  const __m512i u = _mm512_castps_si512(v.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v.v, v.v, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << n) - 1), _mm512_cvtepi32_epi16(r));
 }
+
+// Rows x blocks per tile, per dtype: 6 x 4 accumulators + 4 weights + 1
+// broadcast <= 32 registers. At up to kWideRows rows (a decode step's one
+// row) bf16 tiles take 8 blocks: 8 streams in flight rather than 4. At one
+// row and 4 blocks, bf16 on one core read its weights at 73-90% of a plain
+// read, at 8 blocks 97%; fp32 (96% at 4) got slower at 8
+// (docs/bench_cpu_linear.md, round 2).
+template <typename T> constexpr int kRows = 6;
+template <typename T> constexpr int kVecs = 4;
+template <typename T> constexpr int kWideVecs = std::is_same_v<T, float> ? 4 : 8;
+constexpr int kWideRows = 2;
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AGENTKV_LINEAR_VECTORS 1
+// The 16 fp32 outputs of one block in two registers.
+struct Lanes {
+  __m256 lo, hi;
+  static Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Lanes splat(float x) {
+    const __m256 v = _mm256_set1_ps(x);
+    return {v, v};
+  }
+  static Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void load_pairs(const uint16_t* p, Lanes& even, Lanes& odd) {
+    const __m256i high = _mm256_set1_epi32(int32_t(0xffff0000u));
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high))};
+  }
+  void fma(const Lanes& x, const Lanes& w) {
+    lo = _mm256_fmadd_ps(x.lo, w.lo, lo);
+    hi = _mm256_fmadd_ps(x.hi, w.hi, hi);
+  }
+  Lanes operator+(const Lanes& o) const { return {_mm256_add_ps(lo, o.lo), _mm256_add_ps(hi, o.hi)}; }
+};
+
+// A block's bias and its stores go through 16 floats in memory: they run
+// once per output, against `in` FMAs each, and c10::BFloat16 rounds as torch.
+template <typename T>
+inline Lanes bias_lanes(const T* b, int64_t n) {
+  alignas(32) float f[kBlock] = {};
+  for (int64_t i = 0; i < n; ++i) f[i] = static_cast<float>(b[i]);
+  return Lanes::load(f);
+}
+template <typename T>
+inline void store_lanes(T* dst, const Lanes& v, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == kBlock) {
+      _mm256_storeu_ps(dst, v.lo);
+      _mm256_storeu_ps(dst + 8, v.hi);
+      return;
+    }
+  }
+  alignas(32) float f[kBlock];
+  _mm256_store_ps(f, v.lo);
+  _mm256_store_ps(f + 8, v.hi);
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(f[i]);
+}
+
+// 16 ymm registers: fp32 6 rows x 1 block (12 accumulators, 2 weights, a
+// broadcast), bf16 4 x 1 (its pairs widen to 4 weight registers and 2
+// broadcasts); at one or two rows, 2 blocks.
+template <typename T> constexpr int kRows = std::is_same_v<T, float> ? 6 : 4;
+template <typename T> constexpr int kVecs = 1;
+template <typename T> constexpr int kWideVecs = 2;
+constexpr int kWideRows = 2;
+#endif
+
+#ifdef AGENTKV_LINEAR_VECTORS
 
 template <typename T>
 struct Args {
@@ -75,25 +162,53 @@ struct Args {
 
 // acc[r][v] += x[r] . W over all of `in`, in input order.
 template <int R, int V>
-inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, __m512 (&acc)[R][V]) {
+inline void tile_fp32(const Args<float>& a, int64_t row, int64_t blk, Lanes (&acc)[R][V]) {
   const float* w[V];
   for (int v = 0; v < V; ++v) w[v] = a.w + (blk + v) * a.block_len;
   const float* x = a.x + row * a.ldx;
   for (int64_t k = 0; k < a.in; ++k) {
-    __m512 wv[V];
-    for (int v = 0; v < V; ++v) {
-      wv[v] = _mm512_loadu_ps(w[v] + k * kBlock);
-    }
+    Lanes wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = Lanes::load(w[v] + k * kBlock);
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * a.ldx + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+      const Lanes xb = Lanes::splat(x[r * a.ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v].fma(xb, wv[v]);
+    }
+  }
+}
+
+inline float bf16_float(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bf16 widened to fp32, each input pair as two FMAs (even input, then odd):
+// exact products, fp32 sums in input order, as the fp32 kernel.
+template <int R, int V>
+inline void tile_bf16_widened(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, Lanes (&acc)[R][V]) {
+  const uint16_t* w[V];
+  for (int v = 0; v < V; ++v) w[v] = reinterpret_cast<const uint16_t*>(a.w + (blk + v) * a.block_len);
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x + row * a.ldx);
+  const int64_t pairs = (a.in + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    Lanes even[V], odd[V];
+    for (int v = 0; v < V; ++v) Lanes::load_pairs(w[v] + p * 2 * kBlock, even[v], odd[v]);
+    const bool has_odd = 2 * p + 1 < a.in;  // the last input of an odd `in` pairs with the zero pad
+    for (int r = 0; r < R; ++r) {
+      const Lanes xe = Lanes::splat(bf16_float(x[r * a.ldx + 2 * p]));
+      for (int v = 0; v < V; ++v) acc[r][v].fma(xe, even[v]);
+      if (has_odd) {
+        const Lanes xo = Lanes::splat(bf16_float(x[r * a.ldx + 2 * p + 1]));
+        for (int v = 0; v < V; ++v) acc[r][v].fma(xo, odd[v]);
+      }
     }
   }
 }
 
 #ifdef __AVX512BF16__
 template <int R, int V>
-inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __m512 (&acc)[R][V]) {
+inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, Lanes (&acc)[R][V]) {
   const uint16_t* w[V];
   for (int v = 0; v < V; ++v) w[v] = reinterpret_cast<const uint16_t*>(a.w + (blk + v) * a.block_len);
   const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x + row * a.ldx);
@@ -107,7 +222,7 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __
       int32_t pair;
       std::memcpy(&pair, x + r * a.ldx + 2 * p, 4);
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
+      for (int v = 0; v < V; ++v) acc[r][v].v = _mm512_dpbf16_ps(acc[r][v].v, xb, wv[v]);
     }
   }
   if (a.in % 2) {  // the last input pairs with a zero (the packed weight's pad is zero too)
@@ -115,7 +230,7 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __
     for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w[v] + pairs * 2 * kBlock);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * a.ldx + a.in - 1]));
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, wv[v]);
+      for (int v = 0; v < V; ++v) acc[r][v].v = _mm512_dpbf16_ps(acc[r][v].v, xb, wv[v]);
     }
   }
 }
@@ -123,83 +238,80 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, __
 
 template <typename T, int R, int V>
 void tile(const Args<T>& a, int64_t row, int64_t blk) {
-  __m512 acc[R][V];
+  Lanes acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = Lanes::zero();
   if constexpr (std::is_same_v<T, float>) {
     tile_fp32<R, V>(a, row, blk, acc);
   } else {
 #ifdef __AVX512BF16__
     tile_bf16<R, V>(a, row, blk, acc);
+#else
+    tile_bf16_widened<R, V>(a, row, blk, acc);
 #endif
   }
   for (int v = 0; v < V; ++v) {
     const int64_t col = (blk + v) * kBlock;
     const int64_t n = std::min<int64_t>(kBlock, a.out - col);
-    const __m512 b = a.bias ? bias_vec(a.bias + col, n) : _mm512_setzero_ps();
+    const Lanes b = a.bias ? bias_lanes(a.bias + col, n) : Lanes::zero();
     for (int r = 0; r < R; ++r) {
       // The bias is added to the finished sum, as addmm does, then rounded once.
-      store_vec(a.y + (row + r) * a.ldy + col, a.bias ? _mm512_add_ps(acc[r][v], b) : acc[r][v], n);
+      store_lanes(a.y + (row + r) * a.ldy + col, a.bias ? acc[r][v] + b : acc[r][v], n);
     }
   }
 }
 
 template <typename T, int R>
 void tile_rows(const Args<T>& a, int64_t row, int64_t blk, int v) {
-  if constexpr (R <= kWideRows) {
-    switch (v) {
-      case 8: return tile<T, R, 8>(a, row, blk);
-      case 7: return tile<T, R, 7>(a, row, blk);
-      case 6: return tile<T, R, 6>(a, row, blk);
-      case 5: return tile<T, R, 5>(a, row, blk);
-    }
-  }
+  constexpr int most = R <= kWideRows ? std::max(kWideVecs<T>, kVecs<T>) : kVecs<T>;
   switch (v) {
-    case 4: return tile<T, R, 4>(a, row, blk);
-    case 3: return tile<T, R, 3>(a, row, blk);
-    case 2: return tile<T, R, 2>(a, row, blk);
-    default: return tile<T, R, 1>(a, row, blk);
+    case 8: if constexpr (most >= 8) return tile<T, R, 8>(a, row, blk); break;
+    case 7: if constexpr (most >= 7) return tile<T, R, 7>(a, row, blk); break;
+    case 6: if constexpr (most >= 6) return tile<T, R, 6>(a, row, blk); break;
+    case 5: if constexpr (most >= 5) return tile<T, R, 5>(a, row, blk); break;
+    case 4: if constexpr (most >= 4) return tile<T, R, 4>(a, row, blk); break;
+    case 3: if constexpr (most >= 3) return tile<T, R, 3>(a, row, blk); break;
+    case 2: if constexpr (most >= 2) return tile<T, R, 2>(a, row, blk); break;
   }
+  return tile<T, R, 1>(a, row, blk);
 }
 
 template <typename T>
 void run_tile(const Args<T>& a, int64_t row, int r, int64_t blk, int v) {
   switch (r) {
-    case 6: return tile_rows<T, 6>(a, row, blk, v);
-    case 5: return tile_rows<T, 5>(a, row, blk, v);
-    case 4: return tile_rows<T, 4>(a, row, blk, v);
+    case 6: if constexpr (kRows<T> >= 6) return tile_rows<T, 6>(a, row, blk, v); break;
+    case 5: if constexpr (kRows<T> >= 5) return tile_rows<T, 5>(a, row, blk, v); break;
+    case 4: if constexpr (kRows<T> >= 4) return tile_rows<T, 4>(a, row, blk, v); break;
     case 3: return tile_rows<T, 3>(a, row, blk, v);
     case 2: return tile_rows<T, 2>(a, row, blk, v);
-    default: return tile_rows<T, 1>(a, row, blk, v);
   }
+  return tile_rows<T, 1>(a, row, blk, v);
 }
 
 template <typename T>
 void run(const Args<T>& a, int64_t rows) {
   const int64_t blocks = (a.out + kBlock - 1) / kBlock;
-  const int vecs = !std::is_same_v<T, float> && rows <= kWideRows ? kWideVecs : kVecs;
+  const int vecs = rows <= kWideRows ? kWideVecs<T> : kVecs<T>;
   // One chunk of blocks per thread: at a few rows the weights are the whole
   // cost, and each thread streams its share once.
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; blk += vecs) {
       const int v = static_cast<int>(std::min<int64_t>(vecs, b1 - blk));
-      for (int64_t row = 0; row < rows; row += kRows) {
-        run_tile<T>(a, row, static_cast<int>(std::min<int64_t>(kRows, rows - row)), blk, v);
+      for (int64_t row = 0; row < rows; row += kRows<T>) {
+        run_tile<T>(a, row, static_cast<int>(std::min<int64_t>(kRows<T>, rows - row)), blk, v);
       }
     }
   });
 }
 
-#endif  // __AVX512F__
+#endif  // AGENTKV_LINEAR_VECTORS
 
 bool compiled_for(const at::ScalarType dtype) {
-#ifdef __AVX512F__
-  if (dtype == at::kFloat) return true;
-#endif
-#ifdef __AVX512BF16__
-  if (dtype == at::kBFloat16) return true;
-#endif
+#ifdef AGENTKV_LINEAR_VECTORS
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
   return false;
+#endif
 }
 
 // x [T, in] (rows contiguous), packed as above for `out` outputs, bias [out] or
@@ -221,7 +333,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
   at::Tensor y = at::empty({rows, out}, x.options());
   if (rows == 0) return y;
-#ifdef __AVX512F__
+#ifdef AGENTKV_LINEAR_VECTORS
   AT_DISPATCH_SWITCH(x.scalar_type(), "cpu_linear",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       run<float>({x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), per_input,
@@ -245,9 +357,9 @@ std::vector<std::string> dtypes() {
 
 }  // namespace
 
-TORCH_LIBRARY(agentkv_cpu_linear, m) {
+AGENTKV_LIBRARY(agentkv_cpu_linear, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out) -> Tensor");
   m.def("dtypes() -> str[]", &dtypes);
 }
 
-TORCH_LIBRARY_IMPL(agentkv_cpu_linear, CPU, m) { m.impl("linear", &linear); }
+AGENTKV_LIBRARY_IMPL(agentkv_cpu_linear, m) { m.impl("linear", &linear); }

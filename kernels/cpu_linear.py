@@ -25,7 +25,9 @@ from agentkv.kernels.cpu_extension import CpuKernelUnavailable
 SOURCE = Path(__file__).with_suffix(".cpp")
 BLOCK = 16  # outputs per packed block (kernels/cpu_linear.cpp's kBlock)
 
-extension = cpu_extension.Extension("agentkv_cpu_linear", SOURCE, lambda: torch.ops.agentkv_cpu_linear)
+extension = cpu_extension.Extension(
+    "agentkv_cpu_linear", SOURCE, "agentkv_cpu_linear", lambda library: getattr(torch.ops, library)
+)
 build_error = extension.build_error
 
 

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_library.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -468,7 +470,7 @@ void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const a
 
 }  // namespace
 
-TORCH_LIBRARY(agentkv_cpu, m) {
+AGENTKV_LIBRARY(agentkv_cpu, m) {
   m.def("paged_attention_few(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
         "Tensor block_tables, float scale, int window, int max_queries, int split, int prefetch, Tensor(a!) out) -> ()");
   m.impl("paged_attention_few", c10::DispatchKey::CPU, &paged_attention_few);

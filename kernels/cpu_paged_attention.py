@@ -52,7 +52,8 @@ SPLIT = 512
 DTYPES = (torch.float32, torch.bfloat16)
 
 extension = cpu_extension.Extension(
-    "agentkv_cpu_attention", SOURCE, lambda: torch.ops.agentkv_cpu.paged_attention_few, headers=[cpu_extension.ATTENTION_HEADER]
+    "agentkv_cpu_attention", SOURCE, "agentkv_cpu", lambda library: getattr(torch.ops, library).paged_attention_few,
+    headers=[cpu_extension.ATTENTION_HEADER],
 )
 build_error, available = extension.build_error, extension.available
 

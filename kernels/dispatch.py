@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from agentkv.kernels import cpu_chunk_attention, cpu_fused_ops, cpu_layers, cpu_paged_attention, reference
+from agentkv.kernels import (
+    cpu_chunk_attention, cpu_extension, cpu_fused_ops, cpu_layers, cpu_paged_attention, reference,
+)
 from agentkv.kernels.metadata import AttnMetadata
 
 __all__ = [
@@ -132,7 +134,7 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
     mode = _mode()
     # The build's state is part of the key: a build that fails (or is made
     # to fail, as tests do) changes the choice from the next forward on.
-    key = (mode, x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
+    key = (mode, cpu_extension.isa(), x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
            cpu_paged_attention.build_error(), cpu_chunk_attention.build_error(), cpu_fused_ops.build_error(),
            cpu_layers.build_error())
     chosen = _selected.get(key)

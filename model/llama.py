@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from agentkv.kernels import cpu_layers, cpu_paged_attention, dispatch, reference
+from agentkv.kernels import cpu_extension, cpu_layers, cpu_paged_attention, dispatch, reference
 from agentkv.kernels.metadata import AttnMetadata, bucket
 from agentkv.model import packed_linear
 from agentkv.model.config import ModelConfig
@@ -227,8 +227,10 @@ class ForwardScratch:
         if packed is None or packed.kernel != "cpp":
             return None
         kept = self._loop
-        if kept is not None and kept[0] is model and kept[1] is packed and [p._version for p in kept[2]] == kept[3]:
-            return kept[4]
+        target = cpu_extension.isa()  # the loop calls its own ISA's ops (kernels/cpu_library.h)
+        if (kept is not None and kept[0] is model and kept[1] is packed and kept[4] == target
+                and [p._version for p in kept[2]] == kept[3]):
+            return kept[5]
         weights = [w for b in model.blocks for w in (b.attn.qkv_weight, b.attn.o_weight, b.mlp.gate_up_weight,
                                                      b.mlp.down_weight)] + [model.lm_head]
         try:
@@ -240,7 +242,7 @@ class ForwardScratch:
                 _warned_loop.append(str(e))
                 warnings.warn(f"The CPU forward runs its layers in Python: {e}", RuntimeWarning, stacklevel=3)
             loop = None
-        self._loop = (model, packed, weights, [p._version for p in weights], loop)
+        self._loop = (model, packed, weights, [p._version for p in weights], target, loop)
         return loop
 
     def attention_rows(

@@ -19,6 +19,7 @@ from typing import Iterator  # noqa: E402
 import pytest  # noqa: E402
 
 from agentkv.cache.pool import PagePool  # noqa: E402
+from agentkv.kernels.cpu_extension import host_isas  # noqa: E402
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -34,6 +35,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # Frozen objects are never freed otherwise, and extensions that count
     # their instances (triton's nanobind) report them as leaks at exit.
     gc.unfreeze()
+
+
+@pytest.fixture(params=host_isas())
+def cpu_isa(request, monkeypatch) -> str:
+    """Each vector ISA this CPU runs, in turn, for the C++ kernels: on an
+    AVX-512 host the AVX2 builds run too, so CI covers both paths anywhere."""
+    monkeypatch.setenv("AGENTKV_CPU_ISA", request.param)
+    return request.param
 
 
 @pytest.fixture

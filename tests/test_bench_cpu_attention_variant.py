@@ -30,4 +30,14 @@ def test_a_variant_of_todays_files_is_todays_kernel():
 def test_a_revision_gives_the_files_it_has():
     files = bench_cpu_attention.source_at("HEAD")
     assert set(files) == set(bench_cpu_attention.KERNEL_FILES)
-    assert "TORCH_LIBRARY(agentkv_cpu," in files["cpu_paged_attention.cpp"]
+    assert "AGENTKV_LIBRARY(agentkv_cpu," in files["cpu_paged_attention.cpp"]
+
+
+def test_a_revision_before_isa_named_libraries_builds_beside_todays():
+    # 602272a registered TORCH_LIBRARY(agentkv_cpu, ...) and had no cpu_library.h.
+    files = bench_cpu_attention.source_at("602272a")
+    assert "cpu_library.h" not in files
+    variant = bench_cpu_attention.kernel_variant(files)
+    q, k_cache, v_cache, meta = build(CASES[0], torch.float32)
+    want = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(variant(q, k_cache, v_cache, meta, 0.25), want)

@@ -17,6 +17,9 @@ from agentkv.kernels import cpu_chunk_attention, cpu_paged_attention, reference
 from agentkv.kernels.metadata import AttnMetadata
 from tests.test_kernel_cpu_paged_attention import DTYPES, TOL, build
 
+# Every test on each vector ISA this CPU runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 if not cpu_chunk_attention.available():
     pytest.skip(f"the C++ extension did not build: {cpu_chunk_attention.build_error()}", allow_module_level=True)
 

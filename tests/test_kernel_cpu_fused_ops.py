@@ -17,6 +17,9 @@ from agentkv.kernels import cpu_fused_ops, reference
 from agentkv.kernels.metadata import AttnMetadata
 from agentkv.model.rope import rope_tables
 
+# Every test on each vector ISA this CPU runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 if not cpu_fused_ops.available():
     pytest.skip(f"the C++ extension did not build: {cpu_fused_ops.build_error()}", allow_module_level=True)
 

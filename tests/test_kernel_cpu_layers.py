@@ -17,6 +17,9 @@ from agentkv.model.config import ModelConfig
 from agentkv.model.default import random_init
 from agentkv.model.llama import ForwardScratch, Transformer
 
+# Every test on each vector ISA this CPU runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 PS = 8  # page size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

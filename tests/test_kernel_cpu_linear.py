@@ -12,12 +12,15 @@ from agentkv.kernels import cpu_linear
 from agentkv.model import packed_linear
 from agentkv.model.llama import linear
 
+# Every test on each vector ISA this CPU runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def needs(dtype: torch.dtype) -> None:
     if dtype not in cpu_linear.dtypes():
-        pytest.skip(f"the C++ linear does not run {dtype} here: {cpu_linear.build_error() or 'no AVX512'}")
+        pytest.skip(f"the C++ linear does not run {dtype} here: {cpu_linear.build_error() or 'no AVX2 or AVX-512'}")
 
 
 def case(n_in: int, n_out: int, rows: int, dtype: torch.dtype, bias: bool, seed: int = 0):

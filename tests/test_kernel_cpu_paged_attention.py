@@ -17,6 +17,9 @@ from agentkv.kernels import dispatch
 from agentkv.kernels import cpu_extension, cpu_paged_attention, reference
 from agentkv.kernels.metadata import AttnMetadata
 
+# Every test on each vector ISA this CPU runs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_isa")
+
 if not cpu_paged_attention.available():
     pytest.skip(f"the C++ extension did not build: {cpu_paged_attention.build_error()}", allow_module_level=True)
 
