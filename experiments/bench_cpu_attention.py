@@ -31,10 +31,8 @@ Writes runs/bench_cpu_attention-<time>/{results.json, report.txt}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import hashlib
-import os
 import subprocess
 import tempfile
 import time
@@ -46,7 +44,7 @@ from tqdm import tqdm
 
 from agentkv.cache import hugepages
 from agentkv.cache.pool import PagePool
-from agentkv.experiments.common import SHAPES, machine, median, run_dir
+from agentkv.experiments.common import SHAPES, environ, machine, median, run_dir
 from agentkv.experiments.report import table, write_json
 from agentkv.kernels import cpu_extension, cpu_paged_attention, reference
 from agentkv.kernels.metadata import AttnMetadata
@@ -186,19 +184,6 @@ def bench_attention(args) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def kernels_mode(mode: str):
-    old = os.environ.get("AGENTKV_KERNELS")
-    os.environ["AGENTKV_KERNELS"] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["AGENTKV_KERNELS"]
-        else:
-            os.environ["AGENTKV_KERNELS"] = old
-
-
 def decode_ms(session, vocab: int, tokens: int, gen: torch.Generator) -> float:
     """ms per token of `tokens` single-token steps, the session cut back after."""
     start = len(session)
@@ -238,11 +223,11 @@ def bench_decode(args) -> list[dict]:
                     session.append(torch.randint(0, vocab, (min(2048, context - len(session)),), generator=gen).tolist())
                 times = {"torch": [], "auto": []}
                 for mode in times:
-                    with kernels_mode(mode):
+                    with environ("AGENTKV_KERNELS", mode):
                         decode_ms(session, vocab, 2, gen)  # warm-up
                 for _ in range(args.decode_repeats):
                     for mode in times:
-                        with kernels_mode(mode):
+                        with environ("AGENTKV_KERNELS", mode):
                             times[mode].append(decode_ms(session, vocab, args.decode_tokens, gen))
                 old, new = median(times["torch"]), median(times["auto"])
                 rows.append({"model": name, "dtype": dtype, "threads": threads, "context": context,

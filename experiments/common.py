@@ -2,11 +2,13 @@
 flag, run folders, the machine's description. Output is experiments.report's."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,6 +66,21 @@ def machine() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
     }
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str) -> Iterator[None]:
+    """The environment variable set to value for the block, then as it was
+    (AGENTKV_KERNELS, AGENTKV_CPU_ISA: read at each dispatch)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def median(xs: list[float]) -> float:

@@ -57,8 +57,17 @@ def _built(extension, warned: list[str], fallback: str) -> bool:
     return False
 
 
+# Whether the C++ attention kernels beat the torch path (kernels/reference.py)
+# on an ISA's build, as experiments/bench_cpu_ops measures them (and keeps
+# true: docs/bench_cpu_ops.md). Their 16-key, 16-lane tiles are made for
+# AVX-512's 32 registers; on AVX2 builds the chunk kernel ran 10-17x and the
+# decode kernel 1.1-1.5x slower than the torch path, so there the torch path
+# runs them (and the layers run in Python, with the C++ linears and fused ops).
+CPP_ATTENTION_WINS = {"avx512": True, "avx2": False, "native": True}
+
+
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    if _mode() != "auto" or not cpu_paged_attention.supports(q, k_cache):
+    if _mode() != "auto" or not CPP_ATTENTION_WINS[cpu_extension.isa()] or not cpu_paged_attention.supports(q, k_cache):
         return False
     return _built(cpu_paged_attention, _warned, "CPU attention runs the slower torch reference")
 

@@ -19,6 +19,7 @@ from typing import Iterator  # noqa: E402
 import pytest  # noqa: E402
 
 from agentkv.cache.pool import PagePool  # noqa: E402
+from agentkv.kernels import dispatch  # noqa: E402
 from agentkv.kernels.cpu_extension import host_isas  # noqa: E402
 
 
@@ -40,8 +41,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(params=host_isas())
 def cpu_isa(request, monkeypatch) -> str:
     """Each vector ISA this CPU runs, in turn, for the C++ kernels: on an
-    AVX-512 host the AVX2 builds run too, so CI covers both paths anywhere."""
+    AVX-512 host the AVX2 builds run too, so CI covers both paths anywhere.
+    The kernels under test are dispatched to on every ISA, also where the
+    engine prefers the torch path (dispatch.CPP_ATTENTION_WINS)."""
     monkeypatch.setenv("AGENTKV_CPU_ISA", request.param)
+    monkeypatch.setitem(dispatch.CPP_ATTENTION_WINS, request.param, True)
     return request.param
 
 

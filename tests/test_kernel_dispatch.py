@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentkv.kernels import dispatch
-from agentkv.kernels import reference
+from agentkv.kernels import cpu_extension, cpu_fused_ops, cpu_layers, cpu_paged_attention, reference
 
 OPS = ["paged_attention", "rope_and_store", "rmsnorm", "copy_pages", "verify_drafts"]
 
@@ -42,3 +42,24 @@ def test_forced_triton_matches_reference(monkeypatch, device):
     got = dispatch.verify_drafts(logits, cu_rows, drafts, lens)
     expected = reference.verify_drafts(logits, cu_rows, drafts, lens)
     assert [t.tolist() for t in got] == [t.tolist() for t in expected]
+
+
+@pytest.mark.parametrize("isa", cpu_extension.host_isas())
+def test_attention_runs_where_it_wins_on_each_isa(isa, monkeypatch):
+    # bench_cpu_ops: on AVX2 builds the torch path beats the C++ attention,
+    # so there it runs attention and the layers run in Python; the C++
+    # linears and fused ops still run.
+    monkeypatch.setenv("AGENTKV_CPU_ISA", isa)
+    if not (cpu_paged_attention.available() and cpu_fused_ops.available() and cpu_layers.available()):
+        pytest.skip("the C++ kernels do not build here")
+    x = torch.zeros(2, 64)
+    k_cache = torch.zeros(4, 16, 2, 32)
+    chosen = dispatch.select(x, k_cache)
+    wins = dispatch.CPP_ATTENTION_WINS[isa]
+    assert (chosen.paged_attention is not reference.paged_attention) == wins
+    assert chosen.layer_loop == wins
+    assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.silu_mul is cpu_fused_ops.silu_mul
+
+
+def test_every_isa_has_an_attention_verdict():
+    assert set(cpu_extension.ISA_FLAGS) == set(dispatch.CPP_ATTENTION_WINS)
