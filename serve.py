@@ -15,6 +15,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from agentkv.cache.kv_codec import CODECS
@@ -133,6 +134,8 @@ def serve(argv: list[str]) -> None:
     import uvicorn
 
     from agentkv import Engine
+    from agentkv.kernels.cpu_extension import isa
+    from agentkv.kernels.dispatch import build_cpu_kernels
     from agentkv.engine.api import create_app
 
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
@@ -150,6 +153,12 @@ def serve(argv: list[str]) -> None:
         keys = ApiKeys.from_args(args.api_key, args.api_keys_file)
     except (ValueError, OSError) as e:  # ApiKeysError is a ValueError
         parser.error(str(e))
+    if args.device == "cpu":
+        started = time.perf_counter()
+        log.info("building the C++ CPU kernels for %s (cached after the first time on a machine)", isa())
+        for kernel, error in build_cpu_kernels().items():
+            log.warning("%s: %s; its torch path runs instead", kernel, error)
+        log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
     engine = Engine.from_pretrained(
         args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
         constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention, continuation=args.continuation,

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from agentkv.kernels import (
-    cpu_chunk_attention, cpu_extension, cpu_fused_ops, cpu_layers, cpu_paged_attention, reference,
+    cpu_chunk_attention, cpu_extension, cpu_fused_ops, cpu_layers, cpu_linear, cpu_paged_attention, reference,
 )
 from agentkv.kernels.metadata import AttnMetadata
 
@@ -26,6 +26,19 @@ __all__ = [
     "AttnMetadata", "StepKernels", "select", "paged_attention", "rope_and_store", "rmsnorm", "copy_pages",
     "verify_drafts", "use_triton",
 ]
+
+
+CPU_KERNELS = (cpu_linear, cpu_fused_ops, cpu_paged_attention, cpu_chunk_attention, cpu_layers)
+
+
+def build_cpu_kernels() -> dict[str, str]:
+    """Builds every C++ CPU kernel for this ISA now (or loads it from the
+    cache), so that no request and no timed run pays for a compile: a
+    server calls it before it listens, a benchmark before its clock
+    starts. Returns the build error of each kernel that could not be built
+    (the torch paths run those)."""
+    return {m.__name__.rpartition(".")[2]: m.extension.build_error() for m in CPU_KERNELS
+            if not m.extension.available()}
 
 
 def _mode() -> str:
@@ -143,7 +156,8 @@ def select(x: torch.Tensor, k_cache: torch.Tensor) -> StepKernels:
     mode = _mode()
     # The build's state is part of the key: a build that fails (or is made
     # to fail, as tests do) changes the choice from the next forward on.
-    key = (mode, cpu_extension.isa(), x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
+    isa = cpu_extension.isa()
+    key = (mode, isa, CPP_ATTENTION_WINS[isa], x.device, x.dtype, k_cache.dtype, k_cache.shape[-1], k_cache.stride(-1),
            cpu_paged_attention.build_error(), cpu_chunk_attention.build_error(), cpu_fused_ops.build_error(),
            cpu_layers.build_error())
     chosen = _selected.get(key)

@@ -63,3 +63,12 @@ def test_attention_runs_where_it_wins_on_each_isa(isa, monkeypatch):
 
 def test_every_isa_has_an_attention_verdict():
     assert set(cpu_extension.ISA_FLAGS) == set(dispatch.CPP_ATTENTION_WINS)
+
+
+def test_build_cpu_kernels_builds_each_and_names_what_failed(monkeypatch):
+    if dispatch.build_cpu_kernels():
+        pytest.skip("the C++ kernels do not build here")
+    monkeypatch.setattr(cpu_layers.extension, "error", "no g++ here")
+    failed = dispatch.build_cpu_kernels()
+    assert failed == {"cpu_layers": "no g++ here"}
+    assert all(m.extension.available() for m in dispatch.CPU_KERNELS if m is not cpu_layers)
