@@ -10,6 +10,8 @@ host's measured read bandwidth and matmul rate.
 Rows:
 - linear T=1/4/64 rows (SmolLM2's gate_up and down shapes): ours (cpu_linear) vs
   F.linear (oneDNN), GB/s of the weight read and GFLOP/s;
+- residual add + RMSNorm and SiLU * up at the same rows: ours (cpu_fused_ops)
+  vs their torch references, GB/s of what each reads and writes;
 - decode attention at 1k/4k/16k context: ours (cpu_paged_attention, paged
   pool) and the engine's torch path (kernels/reference.py, ref) vs SDPA over
   the same K/V laid out contiguously, GB/s of the K/V read;
@@ -82,6 +84,27 @@ def linear_rows(dtype: torch.dtype, args, gen: torch.Generator) -> list[dict]:
             rows.append({"op": f"linear {n_in}x{n_out} T={t}", "ours_ms": ours * 1e3, "torch_ms": torch_s * 1e3,
                          "ours_GBps": nbytes / ours / 1e9, "torch_GBps": nbytes / torch_s / 1e9,
                          "ours_GFLOPs": flops / ours / 1e9, "torch_GFLOPs": flops / torch_s / 1e9})
+    return rows
+
+
+def fused_rows(dtype: torch.dtype, args, gen: torch.Generator) -> list[dict]:
+    """The fused per-layer ops against their torch references (the same
+    bits): residual add + RMSNorm over SmolLM2's hidden 576, SiLU(gate) * up
+    over its 2 x 1536 gate/up rows; GB/s of what each reads and writes."""
+    rows = []
+    weight = torch.randn(576, generator=gen).to(dtype)
+    for t in args.linear_rows:
+        x, residual = torch.randn(t, 576, generator=gen).to(dtype), torch.randn(t, 576, generator=gen).to(dtype)
+        gate_up = torch.randn(t, 2 * 1536, generator=gen).to(dtype)
+        for name, ours_fn, ref_fn, nbytes in (
+            (f"add+rmsnorm 576 T={t}", lambda: cpu_fused_ops.rmsnorm(x, weight, 1e-5, residual),
+             lambda: reference.rmsnorm(x, weight, 1e-5, residual), 4 * x.nbytes),
+            (f"silu*up 1536 T={t}", lambda: cpu_fused_ops.silu_mul(gate_up), lambda: reference.silu_mul(gate_up),
+             gate_up.nbytes * 3 // 2),
+        ):
+            ours, ref = timed(ours_fn, args.repeats), timed(ref_fn, args.repeats)
+            rows.append({"op": name, "ours_ms": ours * 1e3, "torch_ms": ref * 1e3, "ours_GBps": nbytes / ours / 1e9,
+                         "torch_GBps": nbytes / ref / 1e9})
     return rows
 
 
@@ -222,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for name in tqdm(isas, desc="isas"):
         with environ("AGENTKV_CPU_ISA", name):
-            found = linear_rows(dtype, args, gen) + attention_rows(cfg, dtype, args, gen)
+            found = linear_rows(dtype, args, gen) + fused_rows(dtype, args, gen) + attention_rows(cfg, dtype, args, gen)
             for model in args.models.split(","):
                 found += model_rows(model, dtype, args, gen)
         rows += [{"isa": name, **r} for r in found]

@@ -17,6 +17,7 @@ def test_rows_for_every_isa_and_op(tmp_path, monkeypatch):
                                   "--contexts", "64", "--chunks", "32"])
     isas = cpu_extension.host_isas()
     ops = ["linear 576x3072 T=1", "linear 576x3072 T=5", "linear 1536x576 T=1", "linear 1536x576 T=5",
+           "add+rmsnorm 576 T=1", "silu*up 1536 T=1", "add+rmsnorm 576 T=5", "silu*up 1536 T=5",
            "decode attention ctx=64", "chunk attention n=32", "agent-8m prefill 48", "agent-8m decode ctx=40"]
     assert [(r["isa"], r["op"]) for r in results["rows"]] == [(i, op) for i in isas for op in ops]
     for r in results["rows"]:
