@@ -46,14 +46,19 @@ from agentkv.model.config import ModelConfig
 EXTENSIONS = (cpu_linear, cpu_paged_attention, cpu_chunk_attention, cpu_fused_ops, cpu_layers)
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
+def timed(fn, repeats: int, sample_s: float = 0.005) -> float:
+    """Median seconds of one fn() call after a warm-up call. Each sample runs
+    fn enough times to last about sample_s, so that microsecond ops (the
+    fused ones, a linear of one row) are not timed at the clock's grain."""
+    t = time.perf_counter()
     fn()
+    calls = max(1, int(sample_s / max(time.perf_counter() - t, 1e-7)))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls)
     return median(times)
 
 
