@@ -71,7 +71,8 @@ def machine() -> dict:
 @contextlib.contextmanager
 def environ(name: str, value: str) -> Iterator[None]:
     """The environment variable set to value for the block, then as it was
-    (AGENTKV_KERNELS, AGENTKV_CPU_ISA: read at each dispatch)."""
+    (AGENTKV_KERNELS: read at each dispatch; AGENTKV_CPU_ISA: once a forward,
+    or by kernels.cpu_extension.isa())."""
     old = os.environ.get(name)
     os.environ[name] = value
     try:

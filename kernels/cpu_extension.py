@@ -70,17 +70,29 @@ def host_isas() -> tuple[str, ...]:
 
 def isa() -> str:
     """The ISA the kernels are built for and run: AGENTKV_CPU_ISA (auto, or
-    one of host_isas()), the best this CPU has by default."""
+    one of host_isas()), the best this CPU has by default. Read here, once a
+    forward (dispatch.select calls it), and remembered for the kernels'
+    calls (current_isa): an environment read costs about 1 us, and a step
+    calls the kernels a few hundred times."""
+    global _current
     wanted = os.environ.get("AGENTKV_CPU_ISA", "auto")
     isas = _host_isas()
     if wanted == "auto":
-        return isas[0]
-    if wanted not in isas:
+        _current = isas[0]
+    elif wanted in isas:
+        _current = wanted
+    else:
         raise ValueError(f"AGENTKV_CPU_ISA must be auto or one of this CPU's {', '.join(isas)}, not {wanted!r}")
-    return wanted
+    return _current
+
+
+def current_isa() -> str:
+    """The ISA isa() read last (reading it on the first call)."""
+    return _current or isa()
 
 
 _host_isas = functools.cache(host_isas)
+_current = ""
 
 
 def cpu_tag() -> str:
@@ -116,11 +128,11 @@ class Extension(Generic[T]):
         self._loaded: dict[str, T] = {}
 
     def load(self) -> T:
-        """What resolve looks up for isa(), building the extension on the
-        first call for it; CpuKernelUnavailable when it cannot be built."""
+        """What resolve looks up for current_isa(), building the extension
+        on the first call for it; CpuKernelUnavailable when it cannot be built."""
         if self.error:
             raise CpuKernelUnavailable(self.error)
-        target = isa()
+        target = current_isa()
         loaded = self._loaded.get(target)
         if loaded is None:
             loaded = self._loaded[target] = self._build(target)

@@ -37,6 +37,7 @@ def build_cpu_kernels() -> dict[str, str]:
     server calls it before it listens, a benchmark before its clock
     starts. Returns the build error of each kernel that could not be built
     (the torch paths run those)."""
+    cpu_extension.isa()
     return {m.__name__.rpartition(".")[2]: m.extension.build_error() for m in CPU_KERNELS
             if not m.extension.available()}
 

@@ -227,7 +227,7 @@ class ForwardScratch:
         if packed is None or packed.kernel != "cpp":
             return None
         kept = self._loop
-        target = cpu_extension.isa()  # the loop calls its own ISA's ops (kernels/cpu_library.h)
+        target = cpu_extension.current_isa()  # the loop calls its own ISA's ops (kernels/cpu_library.h)
         if (kept is not None and kept[0] is model and kept[1] is packed and kept[4] == target
                 and [p._version for p in kept[2]] == kept[3]):
             return kept[5]

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from agentkv.cache.pool import PagePool  # noqa: E402
 from agentkv.kernels import dispatch  # noqa: E402
-from agentkv.kernels.cpu_extension import host_isas  # noqa: E402
+from agentkv.kernels.cpu_extension import host_isas, isa  # noqa: E402
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -39,14 +39,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(params=host_isas())
-def cpu_isa(request, monkeypatch) -> str:
+def cpu_isa(request, monkeypatch) -> Iterator[str]:
     """Each vector ISA this CPU runs, in turn, for the C++ kernels: on an
     AVX-512 host the AVX2 builds run too, so CI covers both paths anywhere.
     The kernels under test are dispatched to on every ISA, also where the
     engine prefers the torch path (dispatch.CPP_ATTENTION_WINS)."""
-    monkeypatch.setenv("AGENTKV_CPU_ISA", request.param)
-    monkeypatch.setitem(dispatch.CPP_ATTENTION_WINS, request.param, True)
-    return request.param
+    with monkeypatch.context() as patched:
+        patched.setenv("AGENTKV_CPU_ISA", request.param)
+        patched.setitem(dispatch.CPP_ATTENTION_WINS, request.param, True)
+        isa()  # direct kernel calls run the ISA it read last
+        yield request.param
+    isa()
 
 
 @pytest.fixture

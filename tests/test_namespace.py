@@ -16,9 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BARE = ["kernels", "model", "cache", "engine", "spec", "profiling", "experiments", "serve"]
 
 
-def run_python(code: str, cwd: Path, python: str = sys.executable, env: dict | None = None) -> str:
-    proc = subprocess.run([python, "-c", textwrap.dedent(code)], cwd=cwd, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+def run_python(code: str, cwd: Path, python: str = sys.executable) -> str:
+    proc = subprocess.run([python, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
