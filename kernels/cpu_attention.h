@@ -1,7 +1,7 @@
 // What the two CPU attention kernels share (kernels/cpu_paged_attention.cpp
 // for decode and verify steps, kernels/cpu_chunk_attention.cpp for prompt
-// chunks): 16-lane fp32 vectors, bf16 loads and stores, the exp of their
-// online softmax, and the checks of their common arguments.
+// chunks): fp32 vectors of one register, bf16 loads and stores, the exp of
+// their online softmax, and the checks of their common arguments.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,36 +15,50 @@
 
 namespace agentkv {
 
-// GCC vector extensions: one 16-lane fp32 vector, AVX512 registers where the
-// CPU has them (compiled with -march=native), pairs of AVX2 ones elsewhere.
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
+// GCC vector extensions of one register: 16 lanes on AVX-512 builds, 8 on
+// AVX2 ones. A 16-lane vector on AVX2 is a pair of registers that GCC keeps
+// in stack memory across the kernels' tiles, and a tile's 24-30 vectors do
+// not fit AVX2's 16 registers: the chunk kernel built that way ran 10-17x
+// slower than torch's (docs/bench_cpu_ops.md, round 3). So the tiles are
+// counted in vectors, and their sizes per ISA are the kernels' constants.
+#ifdef __AVX512F__
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vecf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
+// head_dim is a multiple of 16 up to 128 on every build; NV counts vectors.
+constexpr int64_t kDimQuantum = 16, kMaxHeadDim = 128;
+
+// Lane i holds i.
+inline veci lane_index() {
+  veci v;
+  for (int i = 0; i < kLanes; ++i) v[i] = i;
+  return v;
+}
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline v16f splat(float x) { return v16f{} + x; }
+inline vecf splat(float x) { return vecf{} + x; }
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vecf load_vec(const float* p) {
+  vecf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline v16f load16(const uint16_t* p) {  // bf16 is the top half of an fp32
+inline vecf load_vec(const uint16_t* p) {  // bf16 is the top half of an fp32
 #ifdef __AVX512F__
   // GCC lowers the generic widening to two 256-bit halves and an insert,
   // which made the bf16 decode kernel half as fast as the fp32 one.
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return (v16f)_mm512_slli_epi32(wide, 16);
+  return (vecf)_mm512_slli_epi32(wide, 16);
 #else
-  v16h h;
-  std::memcpy(&h, p, sizeof h);
-  return (v16f)(__builtin_convertvector(h, v16u) << 16);
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (vecf)_mm256_slli_epi32(wide, 16);
 #endif
 }
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline void store_vec(float* p, vecf v) { std::memcpy(p, &v, sizeof v); }
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
@@ -65,18 +79,18 @@ inline void store(uint16_t* dst, float x) {
 // (7: relative error < 1e-8 before rounding; 4: < 5e-5, enough for a p that is
 // rounded to bf16). libm's expf does not vectorize.
 template <int Degree = 7>
-inline v16f exp_nonpositive(v16f x) {
+inline vecf exp_nonpositive(vecf x) {
   static_assert(Degree >= 1 && Degree <= 7, "the series' terms below");
   constexpr float kTerms[8] = {1.0f, 1.0f, 0.5f, 1.6666667e-1f, 4.1666668e-2f, 8.3333338e-3f, 1.3888889e-3f,
                                1.9841270e-4f};
-  const v16i underflow = x < -87.0f;
+  const veci underflow = x < -87.0f;
   x = underflow ? splat(-87.0f) : x;  // -inf included: keeps the int conversion defined
-  const v16f t = x * 1.44269504088896341f;
-  const v16f r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
-  const v16f f = (t - r) * 0.69314718055994531f;
-  v16f p = splat(kTerms[Degree]);
+  const vecf t = x * 1.44269504088896341f;
+  const vecf r = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vecf f = (t - r) * 0.69314718055994531f;
+  vecf p = splat(kTerms[Degree]);
   for (int i = Degree - 1; i >= 0; --i) p = kTerms[i] + f * p;
-  const v16f scale = (v16f)((__builtin_convertvector(r, v16i) + 127) << 23);
+  const vecf scale = (vecf)((__builtin_convertvector(r, veci) + 127) << 23);
   return underflow ? splat(0.0f) : p * scale;
 }
 
@@ -139,7 +153,8 @@ inline void check_attention_args(const at::Tensor& q, const at::Tensor& k_cache,
                   block_tables.scalar_type() == at::kInt, "metadata tensors must be int32");
   TORCH_CHECK(cu_seqlens_q.is_contiguous() && seq_lens.is_contiguous() && block_tables.stride(1) == 1,
               "metadata tensors must be contiguous");
-  TORCH_CHECK(q.size(2) % kLanes == 0 && q.size(2) <= 8 * kLanes, "head_dim must be a multiple of 16, at most 128");
+  TORCH_CHECK(q.size(2) % kDimQuantum == 0 && q.size(2) <= kMaxHeadDim, "head_dim must be a multiple of ", kDimQuantum,
+              ", at most ", kMaxHeadDim);
   TORCH_CHECK(block_tables.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
               "one block table and one cu_seqlens_q entry per sequence");
 }

@@ -10,7 +10,7 @@
 // (query, query head of the group); the rows of a block share every K/V read.
 // Per item: the block's queries transposed once into qt [D][kRows], then
 // tiles of kTileKeys LOGICAL key positions, each:
-//   scores S^T [keys][rows] = K qt, keys broadcast from their pages, 16 rows
+//   scores S^T [keys][rows] = K qt, keys broadcast from their pages, kLanes rows
 //     a vector (so the softmax of a row is a lane, and vertical);
 //   the causal (and window) mask, the online-softmax update per lane;
 //   O [rows][D] = alpha O + P V, probabilities broadcast, V rows from pages.
@@ -38,55 +38,60 @@ namespace {
 
 using namespace agentkv;
 
-constexpr int kRowVecs = 6;                      // row vectors per block
-constexpr int64_t kRows = kRowVecs * kLanes;     // rows per item: 96 = 32 queries of a group of 3
-constexpr int64_t kTileKeys = 64;                // keys per tile: S^T is 24 KB, in L1 with the V rows
-constexpr int kKeyBlock = 4;                     // keys per score tile: 4 x 6 accumulators, 6 query loads
+// The score tile takes kKeyBlock x kRowVecs accumulators, kRowVecs query
+// loads and a key broadcast: 24 + 6 + 1 of AVX-512's 32 registers, 12 + 4 + 1
+// of AVX2's 16 (one query load becomes an FMA's memory operand).
+constexpr int kRowVecs = kLanes == 16 ? 6 : 4;   // row vectors per block
+constexpr int64_t kRows = kRowVecs * kLanes;     // rows per item: 96 (32) = 32 (about 11) queries of a group of 3
+constexpr int64_t kTileKeys = 64;                // keys per tile: S^T is 24 KB (8 KB), in L1 with the V rows
+constexpr int kKeyBlock = kLanes == 16 ? 4 : 3;  // keys per score tile
 
 // Scores of KB keys for all kRows rows, s[i][r] = k_i . qt[:, r], and their
 // running max per row vector (the softmax pass then skips a read of the
 // tile where nothing is masked).
 template <int NV, int KB>
-inline void score_keys(const float* qt, const float* const* krow, float* s, v16f* tmax) {
+inline void score_keys(const float* qt, const float* const* krow, float* s, vecf* tmax) {
   constexpr int64_t D = NV * kLanes;
-  v16f acc[KB][kRowVecs] = {};
+  vecf acc[KB][kRowVecs] = {};
   for (int64_t d = 0; d < D; ++d) {
-    v16f qv[kRowVecs];
-    for (int w = 0; w < kRowVecs; ++w) qv[w] = load16(qt + d * kRows + w * kLanes);
+    vecf qv[kRowVecs];
+    for (int w = 0; w < kRowVecs; ++w) qv[w] = load_vec(qt + d * kRows + w * kLanes);
     for (int i = 0; i < KB; ++i) {
-      const v16f kb = splat(krow[i][d]);
+      const vecf kb = splat(krow[i][d]);
       for (int w = 0; w < kRowVecs; ++w) acc[i][w] += kb * qv[w];
     }
   }
   for (int i = 0; i < KB; ++i)
     for (int w = 0; w < kRowVecs; ++w) {
-      store16(s + i * kRows + w * kLanes, acc[i][w]);
+      store_vec(s + i * kRows + w * kLanes, acc[i][w]);
       tmax[w] = tmax[w] > acc[i][w] ? tmax[w] : acc[i][w];
     }
 }
 
-// Rows per P V tile: RB x NV accumulators, at most 24 registers.
+// Rows per P V tile: RB x NV accumulators, at most 24 registers on AVX-512,
+// 12 on AVX2 (the value loads then come as FMA memory operands); RB divides
+// kRows.
 template <int NV>
-constexpr int kPvRows = NV <= 4 ? 6 : (NV <= 6 ? 4 : 3);
+constexpr int kPvRows = kLanes == 16 ? (NV <= 4 ? 6 : (NV <= 6 ? 4 : 3)) : (NV <= 3 ? 4 : (NV <= 6 ? 2 : 1));
 
 // o[r] = alpha[r] o[r] + sum over the tile's n keys of p[j][r] v_j, rows [r0, r0 + RB).
 template <int NV, int RB>
 inline void accumulate_values(const float* p, const float* const* vrow, int64_t n, const float* alpha, float* o,
                               int64_t r0) {
   constexpr int64_t D = NV * kLanes;
-  v16f acc[RB][NV];
+  vecf acc[RB][NV];
   for (int i = 0; i < RB; ++i)
-    for (int w = 0; w < NV; ++w) acc[i][w] = load16(o + (r0 + i) * D + w * kLanes) * alpha[r0 + i];
+    for (int w = 0; w < NV; ++w) acc[i][w] = load_vec(o + (r0 + i) * D + w * kLanes) * alpha[r0 + i];
   for (int64_t j = 0; j < n; ++j) {
-    v16f vv[NV];
-    for (int w = 0; w < NV; ++w) vv[w] = load16(vrow[j] + w * kLanes);
+    vecf vv[NV];
+    for (int w = 0; w < NV; ++w) vv[w] = load_vec(vrow[j] + w * kLanes);
     for (int i = 0; i < RB; ++i) {
-      const v16f pb = splat(p[j * kRows + r0 + i]);
+      const vecf pb = splat(p[j * kRows + r0 + i]);
       for (int w = 0; w < NV; ++w) acc[i][w] += pb * vv[w];
     }
   }
   for (int i = 0; i < RB; ++i)
-    for (int w = 0; w < NV; ++w) store16(o + (r0 + i) * D + w * kLanes, acc[i][w]);
+    for (int w = 0; w < NV; ++w) store_vec(o + (r0 + i) * D + w * kLanes, acc[i][w]);
 }
 
 #ifdef __AVX512BF16__
@@ -106,7 +111,7 @@ inline __m512bh pair_splat(const void* p) {
 }
 
 template <int NV, int KB>
-inline void score_keys_dp(const uint32_t* qw, const uint16_t* const* krow, float scale, float* s, v16f* tmax) {
+inline void score_keys_dp(const uint32_t* qw, const uint16_t* const* krow, float scale, float* s, vecf* tmax) {
   constexpr int64_t kPairs = NV * kLanes / 2;
   __m512 acc[KB][kRowVecs];
   for (int i = 0; i < KB; ++i)
@@ -121,8 +126,8 @@ inline void score_keys_dp(const uint32_t* qw, const uint16_t* const* krow, float
   }
   for (int i = 0; i < KB; ++i)
     for (int w = 0; w < kRowVecs; ++w) {
-      const v16f x = (v16f)acc[i][w] * scale;
-      store16(s + i * kRows + w * kLanes, x);
+      const vecf x = (vecf)acc[i][w] * scale;
+      store_vec(s + i * kRows + w * kLanes, x);
       tmax[w] = tmax[w] > x ? tmax[w] : x;
     }
 }
@@ -143,11 +148,11 @@ inline void pack_value_pairs(const uint16_t* const* vrow, int64_t n, __m512i* pa
 // p rounded to bf16, keys j and j + 1 as one pair per row lane; returns the
 // rounded values' sum. The exp of such a p needs no more than degree 4 (it was
 // 18% of a bf16 tile at degree 7).
-inline v16f pack_probability_pair(v16f e0, v16f e1, uint32_t* dst) {
+inline vecf pack_probability_pair(vecf e0, vecf e1, uint32_t* dst) {
   const __m512i u0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e0));
   const __m512i u1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e1));
   _mm512_storeu_si512(dst, _mm512_or_si512(u0, _mm512_slli_epi32(u1, 16)));
-  return (v16f)_mm512_slli_epi32(u0, 16) + (v16f)_mm512_slli_epi32(u1, 16);
+  return (vecf)_mm512_slli_epi32(u0, 16) + (vecf)_mm512_slli_epi32(u1, 16);
 }
 
 template <int NV, int RB>
@@ -171,16 +176,16 @@ inline void accumulate_values_dp(const uint32_t* pp, const __m512i* pairs, int64
 }
 #endif
 
-// One thread's buffers, 64-byte aligned (v16f).
+// One thread's buffers, 64-byte aligned (vecf).
 template <int NV>
 struct Scratch {
   static constexpr int64_t D = NV * kLanes;
-  std::vector<v16f> qt = std::vector<v16f>(D * kRowVecs);             // [D][kRows] scaled queries
-  std::vector<v16f> s = std::vector<v16f>(kTileKeys * kRowVecs);      // [keys][kRows] scores, then p
-  std::vector<v16f> o = std::vector<v16f>(kRows * NV);                // [kRows][D] unnormalised outputs
-  std::vector<v16f> kv = std::vector<v16f>(2 * kTileKeys * NV);       // bf16 K and V rows widened, or V pairs
-  std::vector<v16f> pp = std::vector<v16f>(kTileKeys / 2 * kRowVecs); // [keys/2][kRows] bf16 p pairs
-  float* f(std::vector<v16f>& v) { return reinterpret_cast<float*>(v.data()); }
+  std::vector<vecf> qt = std::vector<vecf>(D * kRowVecs);             // [D][kRows] scaled queries
+  std::vector<vecf> s = std::vector<vecf>(kTileKeys * kRowVecs);      // [keys][kRows] scores, then p
+  std::vector<vecf> o = std::vector<vecf>(kRows * NV);                // [kRows][D] unnormalised outputs
+  std::vector<vecf> kv = std::vector<vecf>(2 * kTileKeys * NV);       // bf16 K and V rows widened, or V pairs
+  std::vector<vecf> pp = std::vector<vecf>(kTileKeys / 2 * kRowVecs); // [keys/2][kRows] bf16 p pairs
+  float* f(std::vector<vecf>& v) { return reinterpret_cast<float*>(v.data()); }
 };
 
 struct Item {
@@ -219,8 +224,8 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
     }
   }
   std::fill(o, o + kRows * D, 0.0f);
-  v16f m[kRowVecs], l[kRowVecs];
-  for (int w = 0; w < kRowVecs; ++w) m[w] = splat(kNegInf), l[w] = v16f{};
+  vecf m[kRowVecs], l[kRowVecs];
+  for (int w = 0; w < kRowVecs; ++w) m[w] = splat(kNegInf), l[w] = vecf{};
   const int64_t lo_pos = pos[0], hi_pos = pos[kRows - 1];
   const int64_t key_lo = g.window > 0 ? std::max<int64_t>(0, lo_pos - g.window + 1) / kTileKeys * kTileKeys : 0;
   using Row = std::conditional_t<dp, uint16_t, float>;  // what the score and value loops read
@@ -241,8 +246,8 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
           float* kf = buf.f(buf.kv) + j * D;
           float* vf = kf + kTileKeys * D;
           for (int w = 0; w < NV; ++w) {
-            store16(kf + w * kLanes, load16(kp + w * kLanes));
-            store16(vf + w * kLanes, load16(vp + w * kLanes));
+            store_vec(kf + w * kLanes, load_vec(kp + w * kLanes));
+            store_vec(vf + w * kLanes, load_vec(vp + w * kLanes));
           }
           krow[j] = kf, vrow[j] = vf;
         }
@@ -259,7 +264,7 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
         for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64)
           prefetch_l2(reinterpret_cast<const char*>(kp) + b), prefetch_l2(reinterpret_cast<const char*>(vp) + b);
     }
-    v16f tmax[kRowVecs];
+    vecf tmax[kRowVecs];
     for (int w = 0; w < kRowVecs; ++w) tmax[w] = splat(kNegInf);
     auto score = [&](auto kb, int64_t j) {
       constexpr int KB = decltype(kb)::value;
@@ -276,22 +281,22 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
     switch (n - j) {
       case 1: score(std::integral_constant<int, 1>{}, j); break;
       case 2: score(std::integral_constant<int, 2>{}, j); break;
-      case 3: score(std::integral_constant<int, 3>{}, j); break;
+      case 3: if constexpr (kKeyBlock > 3) score(std::integral_constant<int, 3>{}, j); break;
     }
     // Only a tile reaching past the first row's position, or below the last
     // row's window, hides keys from some row.
     const bool masked = start + n - 1 > lo_pos || (g.window > 0 && start <= hi_pos - g.window);
     for (int w = 0; w < kRowVecs; ++w) {
-      v16i p;
+      veci p;
       std::memcpy(&p, pos + w * kLanes, sizeof p);
-      v16f mx = m[w];
+      vecf mx = m[w];
       if (masked) {
         for (int64_t jj = 0; jj < n; ++jj) {
           const int32_t key = int32_t(start + jj);
-          v16i visible = (v16i{} + key) <= p;
-          if (g.window > 0) visible &= (v16i{} + key) > p - int32_t(g.window);
-          const v16f x = visible ? load16(s + jj * kRows + w * kLanes) : splat(kNegInf);
-          store16(s + jj * kRows + w * kLanes, x);
+          veci visible = (veci{} + key) <= p;
+          if (g.window > 0) visible &= (veci{} + key) > p - int32_t(g.window);
+          const vecf x = visible ? load_vec(s + jj * kRows + w * kLanes) : splat(kNegInf);
+          store_vec(s + jj * kRows + w * kLanes, x);
           mx = mx > x ? mx : x;
         }
       } else {
@@ -299,28 +304,28 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
       }
       // A lane that has seen no key yet keeps max -inf: subtract 0 instead,
       // so that its p are exp(-inf) = 0 and its alpha exp(-inf) = 0.
-      const v16f base = mx == splat(kNegInf) ? v16f{} : mx;
-      const v16f a = exp_nonpositive(m[w] - base);
-      v16f sum = v16f{};
+      const vecf base = mx == splat(kNegInf) ? vecf{} : mx;
+      const vecf a = exp_nonpositive(m[w] - base);
+      vecf sum = vecf{};
 #ifdef __AVX512BF16__
       if constexpr (dp) {
         uint32_t* pp = reinterpret_cast<uint32_t*>(buf.pp.data());
         for (int64_t jj = 0; jj < n; jj += 2) {
-          const v16f e0 = exp_nonpositive<4>(load16(s + jj * kRows + w * kLanes) - base);
-          const v16f e1 = jj + 1 < n ? exp_nonpositive<4>(load16(s + (jj + 1) * kRows + w * kLanes) - base) : v16f{};
+          const vecf e0 = exp_nonpositive<4>(load_vec(s + jj * kRows + w * kLanes) - base);
+          const vecf e1 = jj + 1 < n ? exp_nonpositive<4>(load_vec(s + (jj + 1) * kRows + w * kLanes) - base) : vecf{};
           sum += pack_probability_pair(e0, e1, pp + jj / 2 * kRows + w * kLanes);
         }
       }
 #endif
       if constexpr (!dp)
         for (int64_t jj = 0; jj < n; ++jj) {
-          const v16f e = exp_nonpositive(load16(s + jj * kRows + w * kLanes) - base);
-          store16(s + jj * kRows + w * kLanes, e);
+          const vecf e = exp_nonpositive(load_vec(s + jj * kRows + w * kLanes) - base);
+          store_vec(s + jj * kRows + w * kLanes, e);
           sum += e;
         }
       l[w] = l[w] * a + sum;
       m[w] = mx;
-      store16(alpha + w * kLanes, a);
+      store_vec(alpha + w * kLanes, a);
     }
     constexpr int RB = kPvRows<NV>;
     static_assert(kRows % RB == 0, "row blocks divide the item");
@@ -336,7 +341,7 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
       for (int64_t r = 0; r < kRows; r += RB) accumulate_values<NV, RB>(s, vrow, n, alpha, o, r);
   }
   alignas(64) float inv[kRows];
-  for (int w = 0; w < kRowVecs; ++w) store16(inv + w * kLanes, 1.0f / l[w]);
+  for (int w = 0; w < kRowVecs; ++w) store_vec(inv + w * kLanes, 1.0f / l[w]);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
     T* dst = out + (row / g.group) * ot_stride + (head * g.group + row % g.group) * oh_stride;
@@ -398,10 +403,10 @@ template <typename T>
 void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
              const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
              int64_t longer_than, at::Tensor& out) {
-  switch (q.size(2) / kLanes) {
-#define AGENTKV_DIM(nv) \
-  case nv:              \
-    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, longer_than, out);
+  switch (q.size(2) / kDimQuantum) {
+#define AGENTKV_DIM(n) \
+  case n:              \
+    return run<T, n * kDimQuantum / kLanes>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, longer_than, out);
     AGENTKV_DIM(1) AGENTKV_DIM(2) AGENTKV_DIM(3) AGENTKV_DIM(4) AGENTKV_DIM(5) AGENTKV_DIM(6) AGENTKV_DIM(7)
     AGENTKV_DIM(8)
 #undef AGENTKV_DIM

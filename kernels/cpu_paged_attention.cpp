@@ -25,7 +25,19 @@ namespace {
 
 using namespace agentkv;
 
-inline float hmax(v16f v) {
+// Horizontal max and sum of a vector, and the levels of a transposing sum of
+// kLanes vectors a[0..kLanes) into one whose lane i is the sum of a[i]'s
+// lanes: kLanes horizontal sums in kLanes - 1 shuffle pairs, where one at a
+// time would take kLanes log2(kLanes). tile_scores folds a tile's dot vectors
+// as they are made, two at a time, so that few of them are live at once.
+// Every level shuffles within 128-bit lanes or moves whole 128-bit lanes
+// (unpck*ps, shufps, shuff32x4 or vperm2f128, one cycle each on Zen), never
+// across lanes by index (vpermt2ps, which the natural interleave compiles to
+// and which cost the bf16 kernel a third of its time): level 1 sums lanes
+// (0, 2) and (1, 3) of each 128-bit lane, level 2 the two halves of that,
+// the last levels the 128-bit lanes, and key i still lands in lane i.
+#ifdef __AVX512F__
+inline float hmax(vecf v) {
   v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -33,7 +45,7 @@ inline float hmax(v16f v) {
   return v[0];
 }
 
-inline float hsum(v16f v) {
+inline float hsum(vecf v) {
   v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
@@ -41,39 +53,62 @@ inline float hsum(v16f v) {
   return v[0];
 }
 
-// The levels of a transposing sum of 16 vectors a[0..16) into one whose lane
-// i is the sum of a[i]'s lanes: 16 horizontal sums in 15 shuffle pairs, where
-// one at a time would take 16 x 4. tile_scores folds a tile's dot vectors as
-// they are made, two at a time, so that few of them are live at once. Every
-// level shuffles within 128-bit lanes or moves whole 128-bit lanes
-// (unpck*ps, shufps, shuff32x4, one cycle each on Zen 4), never across lanes
-// by index (vpermt2ps, which the natural interleave compiles to and which
-// cost the bf16 kernel a third of its time): level 1 sums lanes (0, 2) and
-// (1, 3) of each 128-bit lane, level 2 the two halves of that, levels 3 and
-// 4 the four 128-bit lanes, and key i still lands in lane i.
-inline v16f fold1(v16f a, v16f b) {  // (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit lane
+inline vecf fold1(vecf a, vecf b) {  // (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit lane
   return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
          __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
 }
-inline v16f fold2(v16f a, v16f b) {  // (a, b, c, d) per 128-bit lane from two fold1s
+inline vecf fold2(vecf a, vecf b) {  // (a, b, c, d) per 128-bit lane from two fold1s
   return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
          __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
 }
-// Levels 3 and 4: 128-bit lanes (a0+a1, a2+a3, b0+b1, b2+b3), so that two
-// levels of it give (sum a, sum b, sum c, sum d) from four fold2s.
-inline v16f fold34(v16f a, v16f b) {
+// 128-bit lanes (a0+a1, a2+a3, b0+b1, b2+b3), so that two levels of it give
+// (sum a, sum b, sum c, sum d) from four fold2s.
+inline vecf fold34(vecf a, vecf b) {
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
+// The tile's scores from its four quads of keys, each folded by fold2.
+inline vecf fold_quads(const vecf (&quad)[kLanes / 4]) {
+  return fold34(fold34(quad[0], quad[1]), fold34(quad[2], quad[3]));
+}
+#else
+inline float hmax(vecf v) {
+  v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) ? v : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) ? v : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6) ? v : __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+inline float hsum(vecf v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+inline vecf fold1(vecf a, vecf b) {  // (a0+a2, b0+b2, a1+a3, b1+b3) per 128-bit lane
+  return __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15);
+}
+inline vecf fold2(vecf a, vecf b) {  // (a, b, c, d) per 128-bit lane from two fold1s
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+// The tile's scores from its two quads of keys, each folded by fold2: the
+// low 128-bit lanes plus the high ones.
+inline vecf fold_quads(const vecf (&quad)[kLanes / 4]) {
+  return __builtin_shufflevector(quad[0], quad[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quad[0], quad[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
 
 constexpr int64_t kMaxPrefetchTiles = 16;
 
 inline int64_t acc_offset(int64_t rows) { return (2 * rows + kLanes - 1) / kLanes * kLanes; }
 
 // Rows processed together: each key and value vector loaded from the tile is
-// used by all of them, their outputs stay in registers (at most 16 of them).
+// used by all of them, their queries and outputs stay in registers (at most
+// 16 of each on AVX-512's 32; AVX2's 16 hold half as many).
 template <int NV>
-constexpr int kRowBlock = NV <= 4 ? 4 : (NV <= 5 ? 3 : 2);
+constexpr int kRowBlock = kLanes == 16 ? (NV <= 4 ? 4 : (NV <= 5 ? 3 : 2)) : (NV <= 4 ? 3 : (NV <= 8 ? 2 : 1));
 
 struct TileMask {
   bool on;  // whether any lane of the tile is hidden from some row
@@ -103,40 +138,40 @@ struct NoAhead {
   void v_key(int) const {}
 };
 
-// One score vector per row for the tile's 16 keys: dot(i, d) writes key i's
-// 16-lane partial dot product for every row of the block into d, and the
+// One score vector per row for the tile's kLanes keys: dot(i, d) writes key
+// i's partial dot product vector for every row of the block into d, and the
 // vectors are folded into transposed sums two keys at a time.
 template <int RB, typename Dot>
-inline void tile_scores(v16f (&s)[RB], Dot dot) {
-  v16f l2[RB][4];
-  for (int quad = 0; quad < 4; ++quad) {
-    v16f l1[RB][2];
+inline void tile_scores(vecf (&s)[RB], Dot dot) {
+  vecf l2[RB][kLanes / 4];
+  for (int quad = 0; quad < kLanes / 4; ++quad) {
+    vecf l1[RB][2];
     for (int pair = 0; pair < 2; ++pair) {
-      v16f d0[RB], d1[RB];
+      vecf d0[RB], d1[RB];
       dot(4 * quad + 2 * pair, d0);
       dot(4 * quad + 2 * pair + 1, d1);
       for (int r = 0; r < RB; ++r) l1[r][pair] = fold1(d0[r], d1[r]);
     }
     for (int r = 0; r < RB; ++r) l2[r][quad] = fold2(l1[r][0], l1[r][1]);
   }
-  for (int r = 0; r < RB; ++r) s[r] = fold34(fold34(l2[r][0], l2[r][1]), fold34(l2[r][2], l2[r][3]));
+  for (int r = 0; r < RB; ++r) s[r] = fold_quads(l2[r]);
 }
 
 // The online-softmax update of one row by its tile of scores s: hides the
 // masked lanes, rescales the row's outputs o and sum l when its max m grows,
 // and returns exp(s - m) (all 0 when the row sees none of the tile).
 template <int NV>
-inline v16f tile_softmax(v16f s, int64_t row, const TileMask& mask, float& m, float& l, v16f* o) {
+inline vecf tile_softmax(vecf s, int64_t row, const TileMask& mask, float& m, float& l, vecf* o) {
   if (mask.on) {
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const veci lane = lane_index();
     const int64_t pos = mask.first_pos + row / mask.group;
-    const v16i key = lane + int32_t(mask.start);
-    v16i visible = (key <= int32_t(pos)) & (lane < int32_t(mask.n));
+    const veci key = lane + int32_t(mask.start);
+    veci visible = (key <= int32_t(pos)) & (lane < int32_t(mask.n));
     if (mask.window > 0) visible &= key > int32_t(pos - mask.window);
     s = visible ? s : splat(kNegInf);
   }
   const float mx = hmax(s);
-  if (mx == kNegInf) return v16f{};
+  if (mx == kNegInf) return vecf{};
   if (mx > m) {
     const float alpha = exp_nonpositive(m - mx);  // 0 from -inf
     for (int w = 0; w < NV; ++w) o[w] *= alpha;
@@ -146,26 +181,26 @@ inline v16f tile_softmax(v16f s, int64_t row, const TileMask& mask, float& m, fl
   return exp_nonpositive(s - m);
 }
 
-// Rows [r0, r0 + RB) over one tile of 16 keys and values, read (and
+// Rows [r0, r0 + RB) over one tile of kLanes keys and values, read (and
 // converted to fp32) straight from their pages: scores, the online-softmax
 // update of (m, l), and the outputs a. q is pre-scaled fp32.
 template <typename T, int NV, int RB, typename Prefetch>
-inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v16f* a, float* m, float* l,
+inline void tile_rows(const vecf* qf, const T* const* kp, const T* const* vp, vecf* a, float* m, float* l,
                       int64_t r0, const TileMask& mask, const Prefetch& ahead) {
-  v16f q[RB][NV];
+  vecf q[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int w = 0; w < NV; ++w) q[r][w] = qf[(r0 + r) * NV + w];
-  v16f s[RB];
-  tile_scores<RB>(s, [&](int i, v16f* d) {
-    v16f kk[NV];
-    for (int w = 0; w < NV; ++w) kk[w] = load16(kp[i] + w * kLanes);
+  vecf s[RB];
+  tile_scores<RB>(s, [&](int i, vecf* d) {
+    vecf kk[NV];
+    for (int w = 0; w < NV; ++w) kk[w] = load_vec(kp[i] + w * kLanes);
     ahead.k_key(i);
     for (int r = 0; r < RB; ++r) {
       d[r] = q[r][0] * kk[0];
       for (int w = 1; w < NV; ++w) d[r] += q[r][w] * kk[w];
     }
   });
-  v16f p[RB], o[RB][NV];
+  vecf p[RB], o[RB][NV];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
     for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
@@ -173,8 +208,8 @@ inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v1
     l[row] += hsum(p[r]);
   }
   for (int i = 0; i < kLanes; ++i) {
-    v16f vv[NV];
-    for (int w = 0; w < NV; ++w) vv[w] = load16(vp[i] + w * kLanes);
+    vecf vv[NV];
+    for (int w = 0; w < NV; ++w) vv[w] = load_vec(vp[i] + w * kLanes);
     ahead.v_key(i);
     for (int r = 0; r < RB; ++r) {
       const float pi = p[r][i];
@@ -198,32 +233,32 @@ inline void tile_rows(const v16f* qf, const T* const* kp, const T* const* vp, v1
 inline __m512i load_words(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
 template <int NV, int RB, typename Prefetch>
-inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uint16_t* const* vp, v16f* a, float* m,
+inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uint16_t* const* vp, vecf* a, float* m,
                          float* l, int64_t r0, const TileMask& mask, float scale, const Prefetch& ahead) {
   constexpr int NW = NV / 2;  // 32-element words per row
   __m512bh q[RB][NW];
   for (int r = 0; r < RB; ++r)
     for (int w = 0; w < NW; ++w) q[r][w] = (__m512bh)qw[(r0 + r) * NW + w];
-  v16f s[RB];
-  tile_scores<RB>(s, [&](int i, v16f* d) {
+  vecf s[RB];
+  tile_scores<RB>(s, [&](int i, vecf* d) {
     __m512bh kk[NW];
     for (int w = 0; w < NW; ++w) kk[w] = (__m512bh)load_words(kp[i] + w * 2 * kLanes);
     ahead.k_key(i);
     for (int r = 0; r < RB; ++r) {
       __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], kk[0]);
       for (int w = 1; w < NW; ++w) x = _mm512_dpbf16_ps(x, q[r][w], kk[w]);
-      d[r] = (v16f)x;
+      d[r] = (vecf)x;
     }
   });
   alignas(32) uint32_t pairs[RB][kLanes / 2];  // (p[2i], p[2i+1]) as bf16 pairs
-  v16f o[RB][NV];
+  vecf o[RB][NV];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
     for (int w = 0; w < NV; ++w) o[r][w] = a[row * NV + w];
-    const v16f p = tile_softmax<NV>(s[r] * scale, row, mask, m[row], l[row], o[r]);
+    const vecf p = tile_softmax<NV>(s[r] * scale, row, mask, m[row], l[row], o[r]);
     const __m256i pb = (__m256i)_mm512_cvtneps_pbh((__m512)p);
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]), pb);
-    l[row] += hsum((v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
+    l[row] += hsum((vecf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16));
   }
   for (int i = 0; i < kLanes / 2; ++i) {
     __m512bh pp[RB];
@@ -234,8 +269,8 @@ inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uin
       const __m512i x = load_words(vp[2 * i] + w * 2 * kLanes), y = load_words(vp[2 * i + 1] + w * 2 * kLanes);
       const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
       for (int r = 0; r < RB; ++r) {
-        o[r][2 * w] = (v16f)_mm512_dpbf16_ps((__m512)o[r][2 * w], lo, pp[r]);
-        o[r][2 * w + 1] = (v16f)_mm512_dpbf16_ps((__m512)o[r][2 * w + 1], hi, pp[r]);
+        o[r][2 * w] = (vecf)_mm512_dpbf16_ps((__m512)o[r][2 * w], lo, pp[r]);
+        o[r][2 * w + 1] = (vecf)_mm512_dpbf16_ps((__m512)o[r][2 * w + 1], hi, pp[r]);
       }
     }
   }
@@ -246,15 +281,15 @@ inline void tile_rows_dp(const __m512i* qw, const uint16_t* const* kp, const uin
 
 // One work item: rows (query j, group head g) as r = j * G + g, over the keys
 // [key_lo, key_hi) of one KV head, leaving its running max, sum and unnormalised
-// output (m, l, acc[D]) per row in part. Keys go in tiles of 16 logical
-// positions (across pages when pages are smaller): per row, one vector of 16
-// scores, one online-softmax update, 16 value rows accumulated. Keys up to
+// output (m, l, acc[D]) per row in part. Keys go in tiles of kLanes logical
+// positions (across pages when pages are smaller): per row, one vector of
+// scores, one online-softmax update, kLanes value rows accumulated. Keys up to
 // s_len (the next split's) are prefetched `ahead` tiles ahead when kPrefetch.
 template <typename T, int NV, bool kPrefetch>
 void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k, const T* v,
                   const Strides& ks, const Strides& vs, const int32_t* table, int64_t page_size, int64_t kv_head,
                   int64_t group, int64_t num_q, int64_t first_pos, int64_t window, int64_t key_lo, int64_t key_hi,
-                  int64_t s_len, int64_t ahead_tiles, float scale, float* part, std::vector<v16f>& scratch) {
+                  int64_t s_len, int64_t ahead_tiles, float scale, float* part, std::vector<vecf>& scratch) {
   constexpr int64_t D = NV * kLanes;
   constexpr bool dp = kDotBf16<T, NV>;
   const int64_t rows = group * num_q;
@@ -262,18 +297,18 @@ void attend_split(const T* q, int64_t q_token_stride, int64_t q_head_stride, con
   constexpr int RB = kRowBlock<NV>;
   float* m = part;  // part (64-byte aligned): [rows] max, [rows] sum, then at acc_offset [rows, D] acc
   float* l = part + rows;
-  v16f* a = reinterpret_cast<v16f*>(part + acc_offset(rows));
+  vecf* a = reinterpret_cast<vecf*>(part + acc_offset(rows));
   for (int64_t j = 0; j < num_q; ++j)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = q + j * q_token_stride + (kv_head * group + g) * q_head_stride;
       if constexpr (dp)  // [rows][NV / 2] bf16 words, as they are
         std::memcpy(scratch.data() + (j * group + g) * NV / 2, src, D * sizeof(T));
       else  // [rows][NV] scaled queries in fp32
-        for (int w = 0; w < NV; ++w) scratch[(j * group + g) * NV + w] = load16(src + w * kLanes) * scale;
+        for (int w = 0; w < NV; ++w) scratch[(j * group + g) * NV + w] = load_vec(src + w * kLanes) * scale;
     }
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
-  for (int64_t i = 0; i < rows * NV; ++i) a[i] = v16f{};
+  for (int64_t i = 0; i < rows * NV; ++i) a[i] = vecf{};
   const int64_t last_pos = first_pos + num_q - 1;
   // A tile lies within one page when pages hold whole tiles (one table read
   // per tile); smaller pages are looked up per key.
@@ -379,7 +414,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
   }
   first_item[num_seqs] = items.size();
-  std::vector<v16f> part_vectors(part_floats / kLanes);
+  std::vector<vecf> part_vectors(part_floats / kLanes);
   float* parts = reinterpret_cast<float*>(part_vectors.data());
 
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
@@ -388,7 +423,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t qt = q.stride(0), qh = q.stride(1), ot = out.stride(0), oh = out.stride(1);
   at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<v16f> scratch;
+    std::vector<vecf> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
@@ -415,11 +450,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         float mx = kNegInf;
         for (const float* p : ps) mx = std::max(mx, p[r]);
         float total = 0.0f;
-        v16f o[NV] = {};
+        vecf o[NV] = {};
         for (const float* p : ps) {
           const float w = exp_nonpositive(p[r] - mx);
           total += w * p[rows + r];
-          const v16f* acc = reinterpret_cast<const v16f*>(p + head) + r * NV;
+          const vecf* acc = reinterpret_cast<const vecf*>(p + head) + r * NV;
           for (int x = 0; x < NV; ++x) o[x] += w * acc[x];
         }
         const float inv = 1.0f / total;
@@ -437,10 +472,10 @@ template <typename T>
 void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_q,
              const at::Tensor& seq_lens, const at::Tensor& block_tables, double scale, int64_t window,
              int64_t max_queries, int64_t split, int64_t prefetch, at::Tensor& out) {
-  switch (q.size(2) / kLanes) {
-#define AGENTKV_DIM(nv) \
-  case nv:              \
-    return run<T, nv>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, max_queries, split, prefetch, \
+  switch (q.size(2) / kDimQuantum) {
+#define AGENTKV_DIM(n) \
+  case n:              \
+    return run<T, n * kDimQuantum / kLanes>(q, k_cache, v_cache, cu_q, seq_lens, block_tables, scale, window, max_queries, split, prefetch, \
                       out);
     AGENTKV_DIM(1) AGENTKV_DIM(2) AGENTKV_DIM(3) AGENTKV_DIM(4) AGENTKV_DIM(5) AGENTKV_DIM(6) AGENTKV_DIM(7)
     AGENTKV_DIM(8)
@@ -449,14 +484,14 @@ void run_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 }
 
 // Fills out's rows of every sequence with at most max_queries queries; the
-// rows of longer ones are left to the caller. prefetch: tiles of 16 keys read
+// rows of longer ones are left to the caller. prefetch: tiles of kLanes keys read
 // ahead by software prefetch, 0 for none (the result's bits are the same).
 void paged_attention_few(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
                          double scale, int64_t window, int64_t max_queries, int64_t split, int64_t prefetch,
                          at::Tensor out) {
   check_attention_args(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out);
-  TORCH_CHECK(split > 0 && split % kLanes == 0, "split must be a positive multiple of 16");
+  TORCH_CHECK(split > 0 && split % kDimQuantum == 0, "split must be a positive multiple of ", kDimQuantum);
   TORCH_CHECK(prefetch >= 0 && prefetch <= kMaxPrefetchTiles, "prefetch must be 0..", kMaxPrefetchTiles, " tiles");
   if (q.scalar_type() == at::kFloat)
     run_dim<float>(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, max_queries, split,

@@ -78,7 +78,8 @@ def require_supported(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         )
 
 
-# Tiles of 16 keys the kernel reads ahead by software prefetch, 0 for none.
+# Tiles of keys (one vector of them: 16 on AVX-512 builds, 8 on AVX2 ones) the
+# kernel reads ahead by software prefetch, 0 for none.
 # Which is faster depends on the host, not on the CPU model: on one Zen 4
 # host the kernel read its K/V 1.7-2.7x faster with prefetches two tiles
 # ahead than without (docs/bench_cpu_attention.md, round 4); on another, the

@@ -73,11 +73,12 @@ def _built(extension, warned: list[str], fallback: str) -> bool:
 
 # Whether the C++ attention kernels beat the torch path (kernels/reference.py)
 # on an ISA's build, as experiments/bench_cpu_ops measures them (and keeps
-# true: docs/bench_cpu_ops.md). Their 16-key, 16-lane tiles are made for
-# AVX-512's 32 registers; on AVX2 builds the chunk kernel ran 10-17x and the
-# decode kernel 1.1-1.5x slower than the torch path, so there the torch path
-# runs them (and the layers run in Python, with the C++ linears and fused ops).
-CPP_ATTENTION_WINS = {"avx512": True, "avx2": False, "native": True}
+# true: docs/bench_cpu_ops.md); where one does not, the torch path runs
+# attention and the layers run in Python, with the C++ linears and fused ops.
+# Built from 16-lane tiles on AVX2 too, the chunk kernel ran 10-17x slower
+# than the torch path there (round 3); from 8-lane ones it runs 1.1x faster
+# and the decode kernel 1.4-1.9x (round 4).
+CPP_ATTENTION_WINS = {"avx512": True, "avx2": True, "native": True}
 
 
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

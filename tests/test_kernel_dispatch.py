@@ -44,18 +44,19 @@ def test_forced_triton_matches_reference(monkeypatch, device):
     assert [t.tolist() for t in got] == [t.tolist() for t in expected]
 
 
+@pytest.mark.parametrize("wins", [True, False])
 @pytest.mark.parametrize("isa", cpu_extension.host_isas())
-def test_attention_runs_where_it_wins_on_each_isa(isa, monkeypatch):
-    # bench_cpu_ops: on AVX2 builds the torch path beats the C++ attention,
-    # so there it runs attention and the layers run in Python; the C++
-    # linears and fused ops still run.
+def test_attention_runs_where_it_wins_on_each_isa(isa, wins, monkeypatch):
+    # Where bench_cpu_ops finds the torch path faster than the C++ attention
+    # on an ISA's build, the torch path runs attention and the layers run in
+    # Python; the C++ linears and fused ops still run.
     monkeypatch.setenv("AGENTKV_CPU_ISA", isa)
+    monkeypatch.setitem(dispatch.CPP_ATTENTION_WINS, isa, wins)
     if not (cpu_paged_attention.available() and cpu_fused_ops.available() and cpu_layers.available()):
         pytest.skip("the C++ kernels do not build here")
     x = torch.zeros(2, 64)
     k_cache = torch.zeros(4, 16, 2, 32)
     chosen = dispatch.select(x, k_cache)
-    wins = dispatch.CPP_ATTENTION_WINS[isa]
     assert (chosen.paged_attention is not reference.paged_attention) == wins
     assert chosen.layer_loop == wins
     assert chosen.rmsnorm is cpu_fused_ops.rmsnorm and chosen.silu_mul is cpu_fused_ops.silu_mul
