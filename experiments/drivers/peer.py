@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from agentkv.experiments.drivers.system import ROOT, Request, turn_row
+from agentkv.experiments.drivers.system import PEER_CWD, Request, turn_row
 
 
 class PeerSystem:
@@ -21,7 +21,7 @@ class PeerSystem:
         self.logf.write(f"\n=== {kind}: {' '.join(cmd)}\n")
         self.logf.flush()
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.logf, text=True, cwd=ROOT, bufsize=1)
+                                     stderr=self.logf, text=True, cwd=PEER_CWD, bufsize=1)
         start = time.perf_counter()
         self.info = self._call(spec, timeout=None)
         self.info["startup_s"] = time.perf_counter() - start

@@ -86,7 +86,7 @@ class ServerProcess(_Server):
     Its stdout and stderr go to log."""
 
     def __init__(self, cmd: Sequence[str], port: int, *, env: dict[str, str] | None = None,
-                 log: Path | None = None, startup_timeout: float = 600.0, name: str = "server"):
+                 log: Path | None = None, startup_timeout: float = 600.0, name: str = "server", cwd: Path = ROOT):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         if log is None:
             fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
@@ -96,7 +96,7 @@ class ServerProcess(_Server):
         self._logf = open(log, "a")
         self._logf.write(f"\n=== {name}: {' '.join(cmd)}\n")
         self._logf.flush()
-        self.proc = subprocess.Popen(list(cmd), env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._logf,
+        self.proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._logf,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         atexit.register(self.stop)  # no server outlives a benchmark that raised
         start = time.perf_counter()

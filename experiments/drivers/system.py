@@ -4,11 +4,17 @@ request and returns its row (turn_row), end() finishes the pass, close()
 frees everything."""
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 ROOT = Path(__file__).resolve().parents[2]
+# Where peers (vLLM, llama.cpp) run: outside the checkout, whose top-level
+# folders (model/, kernels/, ...) would shadow their own imports of those
+# names from the working directory (vLLM's `python -m` subprocesses put it on
+# sys.path).
+PEER_CWD = Path(tempfile.gettempdir())
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from agentkv.experiments.drivers.peer import PeerSystem
 from agentkv.experiments.drivers.servers import ServerProcess, free_port
-from agentkv.experiments.drivers.system import ROOT, Request, WireTurn, kv_tokens_needed, rel
+from agentkv.experiments.drivers.system import PEER_CWD, ROOT, Request, WireTurn, kv_tokens_needed, rel
 
 VLLM_VENV = ROOT / ".venv-vllm"
 KINDS = ("vllm-apc", "vllm-noapc")
@@ -60,7 +60,7 @@ def vllm_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, threa
     positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
     # The driver keeps vLLM's engine core in its own process, as setup_vllm.sh says to run it.
     env = {**vllm_env(threads, kv_gb), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    spec = {"model": str(path), "dtype": dtype, "threads": threads, "apc": kind == "vllm-apc",
+    spec = {"model": str(path.resolve()), "dtype": dtype, "threads": threads, "apc": kind == "vllm-apc",
             "block_size": 128, "max_model_len": max_model_len or min(max(len(r.ids) + r.gen for r in reqs) + 16,
                                                                  positions),
             "warmup_ids": reqs[0].ids[:256]}
@@ -109,6 +109,7 @@ def start_vllm_server(model: str | Path, *, threads: int, dtype: str = "float32"
     if why:
         raise RuntimeError(why)
     port = port or free_port()
+    model = Path(model).resolve() if Path(model).exists() else model  # the server runs in PEER_CWD
     cmd = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--enable-prefix-caching",
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
@@ -117,4 +118,4 @@ def start_vllm_server(model: str | Path, *, threads: int, dtype: str = "float32"
     # VLLM_ENABLE_V1_MULTIPROCESSING is left alone: the server's AsyncLLM
     # always runs its engine core in a child process.
     return ServerProcess(cmd + list(extra_args), port, env=vllm_env(threads, kv_gb), log=log,
-                         startup_timeout=startup_timeout, name="vllm-server")
+                         startup_timeout=startup_timeout, name="vllm-server", cwd=PEER_CWD)
