@@ -33,6 +33,7 @@ from agentkv.engine.message_log import MessageLog, digest, tools_digest
 from agentkv.engine.request import OnDone, OnTokens, Request
 from agentkv.engine.stops import cut_at_stop
 from agentkv.engine.structured import request_grammar
+from agentkv.engine.trace import span
 from agentkv.model.chat_suffix import render_suffix, reply_gap, tool_result_opening
 from agentkv.model.tool_calls import parse_tool_calls
 
@@ -132,9 +133,11 @@ class ChatTurn:
             work.close()
             session.truncate(0)
         ids = req.output
-        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        with span("detokenize"):
+            text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         text, _ = cut_at_stop(text, self.stops)
-        content, calls = parse_tool_calls(text)
+        with span("parse_tools"):
+            content, calls = parse_tool_calls(text)
         if session is not None and not self.engine.stateless:
             session.adopt(work)
             session.end_turn([c["name"] for c in calls])
@@ -191,12 +194,14 @@ def native_prompt(engine: "Engine", session: "Session", messages: list[dict], to
     log = session.message_log
     if log is None or not log.continues(digests, tools_digest(tools), len(session)):
         return None
-    suffix = render_suffix(engine.tokenizer, messages, len(log.digests), tools)
+    with span("render"):
+        suffix = render_suffix(engine.tokenizer, messages, len(log.digests), tools)
     if suffix is None:
         return None
     # Tokenized on its own: the held tokens stay as they are (after a sampled
     # end-of-turn token, an added token, this is also how the whole would tokenize).
-    ids = engine.tokenizer.encode(log.gap + suffix)
+    with span("tokenize"):
+        ids = engine.tokenizer.encode(log.gap + suffix)
     # What was pre-positioned is kept as far as the turn does begin so; the
     # rest of it is truncated away before the turn's tokens are queued.
     kept = common_prefix_len(ids, list(log.ahead)) if log.ahead else 0
@@ -205,7 +210,8 @@ def native_prompt(engine: "Engine", session: "Session", messages: list[dict], to
 
 def rendered_prompt(engine: "Engine", work: "Session", messages: list[dict], tools: list[dict] | None) -> Prompt:
     """The whole conversation rendered; the longest common prefix with the session kept."""
-    prompt = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    with span("render"):  # and tokenize: the template's text is encoded whole
+        prompt = engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     if not prompt:
         raise InvalidRequestError("the rendered prompt is empty")
     reused = 0 if engine.stateless else min(common_prefix_len(work.tokens, prompt), len(prompt) - 1)

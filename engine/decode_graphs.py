@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import logging
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import torch
 
 from agentkv.cache.pool import PagePool
+from agentkv.engine.step_item import StepItem
 from agentkv.kernels.metadata import PersistentBuffer, StepBuffers, bucket
 from agentkv.model.llama import ForwardScratch, Transformer
-
-if TYPE_CHECKING:
-    from agentkv.engine.runner import StepItem
 
 log = logging.getLogger(__name__)
 

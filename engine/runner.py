@@ -14,25 +14,17 @@ at fixed shapes instead, as CUDA graphs on a GPU (engine/decode_graphs.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
 from agentkv.kernels import dispatch
-from agentkv.cache.block_table import BlockTable
 from agentkv.cache.errors import KVCapacityError
 from agentkv.cache.pool import PagePool
 from agentkv.engine.decode_graphs import DecodeGraphs
+from agentkv.engine.step_item import StepItem
 from agentkv.kernels.metadata import PersistentBuffer, StepBuffers
 from agentkv.model.llama import ForwardScratch, Transformer
-
-
-@dataclass(slots=True)
-class StepItem:
-    table: BlockTable
-    tokens: list[int]
-    num_logits: int = 1  # logits of the last num_logits tokens are returned
 
 
 class ModelRunner:

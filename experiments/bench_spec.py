@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from agentkv import Engine
+from agentkv.engine.step_observer import StepObserver
 from agentkv.engine.structured import request_grammar
 from agentkv.experiments import agent_data as D
 from agentkv.experiments.common import machine, median, run_dir
@@ -146,21 +147,16 @@ def token_kinds(tokenizer, ids: list[int]) -> list[str]:
     return out
 
 
-class Spy:
-    """Which output tokens came from accepted drafts: wraps the scheduler's
-    per-request advance (the one place a verify's outcome is applied)."""
+class Spy(StepObserver):
+    """Which output tokens came from accepted drafts, from the scheduler's
+    verdicts (the one place a verify's outcome is applied)."""
 
     def __init__(self, eng: Engine):
         self.marks: list[bool] = []
-        advance = eng.scheduler._advance
+        eng.scheduler.add_observer(self)
 
-        def spied(req, draft, accepted, token):
-            before = len(req.output)
-            advance(req, draft, accepted, token)
-            n = len(req.output) - before
-            self.marks.extend(([True] * accepted + [False])[:n])
-
-        eng.scheduler._advance = spied
+    def on_verdict(self, req, draft, accepted, tokens):
+        self.marks.extend(([True] * accepted + [False])[: len(tokens)])
 
 
 def answer(eng: Engine, spy: Spy | None, prompt: list[int], grammar, max_tokens: int, speculative: bool) -> dict:

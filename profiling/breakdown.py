@@ -4,14 +4,14 @@ drafting, sampling, detokenization and tool-call parsing, and the rest:
 scheduling and session bookkeeping), plus a torch.profiler trace of the same
 turn that Perfetto (ui.perfetto.dev) or chrome://tracing opens.
 
-The phases are timed from outside the engine: this script wraps the
-callables a turn goes through on one Engine instance (its tokenizer's
-encode/decode, the chat template renderer, its runner's step, its
-scheduler's drafter, the verify/sampling kernel, the tool-call parser) and
-classifies each forward by its shape: a chunk longer than its logits is
-prefill, several logits of one chunk a verify, one token a decode. Each
-wrapper also opens a torch.profiler record_function range and an NVTX range
-(on CUDA, for nsight), so the trace shows the same phases over the aten ops.
+The phases are what the engine reports, never what a wrapper guesses: its
+scheduler's observer hooks (engine.step_observer) give each forward step
+(prefill, decode or verify, named by the heaviest work in it, with its
+tokens) and each draft planned; its trace spans (engine.trace) give
+rendering, tokenizing, sampling, detokenizing and tool-call parsing. While
+this script listens, each span is also a torch.profiler range (and an NVTX
+range on CUDA, for nsight), so the trace shows the same phases over the aten
+ops.
 
 The turn: --turn N of the 6- or 35-turn workflow, teacher-forced, with the
 turns before it replayed first (stateful: each agent's session holds its
@@ -39,124 +39,48 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from agentkv.kernels import dispatch
-import agentkv.model.tokenizer as tokenizer_module
-from agentkv.engine.trace import nvtx_range
+from agentkv.engine.step_observer import StepObserver
+from agentkv.engine.trace import add_span_listener, remove_span_listener
 
 PHASES = ["render", "tokenize", "prefill", "decode", "verify", "draft", "sample", "detokenize", "parse_tools",
           "scheduling+bookkeeping"]
+SPAN_PHASES = frozenset({"render", "tokenize", "sample", "detokenize", "parse_tools"})
 
 
-class PhaseClock:
-    """Accumulates seconds and calls per phase while enabled."""
+class PhaseClock(StepObserver):
+    """Seconds, calls and tokens per phase, from the engine's spans and its
+    scheduler's steps and drafts."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
-        self._depth = 0
 
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
         self.tokens.clear()
 
-    @contextmanager
-    def phase(self, name: str, tokens: int = 0):
-        # Only the outermost timed call counts (decode() inside a stop check
-        # inside a step would otherwise count twice).
-        if self._depth:
-            yield
-            return
-        self._depth += 1
-        start = time.perf_counter()
-        try:
-            with record_function(name), nvtx_range(name):
-                yield
-        finally:
-            self.seconds[name] += time.perf_counter() - start
-            self.calls[name] += 1
-            self.tokens[name] += tokens
-            self._depth -= 1
+    def add(self, name: str, seconds: float, tokens: int = 0) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+        self.tokens[name] += tokens
 
+    def on_span(self, name: str, seconds: float) -> None:
+        if name in SPAN_PHASES:  # the steps' spans are counted as steps, with their tokens
+            self.add(name, seconds)
 
-def step_phase(items) -> tuple[str, int]:
-    """prefill / verify / decode, by the shape of the step's work."""
-    tokens = sum(len(it.tokens) for it in items)
-    if any(len(it.tokens) > it.num_logits for it in items):
-        return "prefill", tokens
-    if any(it.num_logits > 1 for it in items):
-        return "verify", tokens
-    return "decode", tokens
+    def on_step(self, phase, items, forward_s):
+        self.add(phase, forward_s, sum(len(it.tokens) for it in items))
 
-
-def instrument_modules(clock: PhaseClock) -> None:
-    """Wrap the module-level callables a turn goes through: the chat template
-    renderer, the verify/sampling kernel and the tool-call parser."""
-    import agentkv.engine.engine as engine_module
-
-    render = tokenizer_module.render_chat_template
-
-    def timed_render(*a, **kw):
-        with clock.phase("render"):
-            return render(*a, **kw)
-
-    tokenizer_module.render_chat_template = timed_render
-
-    verify = dispatch.verify_drafts
-
-    def timed_verify(*a, **kw):
-        with clock.phase("sample"):
-            return verify(*a, **kw)
-
-    dispatch.verify_drafts = timed_verify
-
-    parse = engine_module.parse_tool_calls
-
-    def timed_parse(*a, **kw):
-        with clock.phase("parse_tools"):
-            return parse(*a, **kw)
-
-    engine_module.parse_tool_calls = timed_parse
-
-
-def instrument_engine(eng, clock: PhaseClock) -> None:
-    """Wrap one Engine's tokenizer encode/decode, runner step and drafter."""
-    tok = eng.tokenizer
-    encode, decode = type(tok).encode.__get__(tok), type(tok).decode.__get__(tok)
-
-    def timed_encode(text):
-        with clock.phase("tokenize"):
-            return encode(text)
-
-    def timed_decode(ids, *a, **kw):
-        with clock.phase("detokenize"):
-            return decode(ids, *a, **kw)
-
-    tok.encode, tok.decode = timed_encode, timed_decode
-
-    step = eng.runner.step
-
-    def timed_step(items):
-        name, n = step_phase(items)
-        with clock.phase(name, n):
-            return step(items)
-
-    eng.runner.step = timed_step
-
-    draft = eng.scheduler._draft
-
-    def timed_draft(req):
-        with clock.phase("draft"):
-            return draft(req)
-
-    eng.scheduler._draft = timed_draft
+    def on_draft(self, req, draft, seconds):
+        self.add("draft", seconds)
 
 
 def load_engine(args):
@@ -192,20 +116,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from agentkv import Engine
     from agentkv.experiments.bench_turns import prepare_requests, workflow
-    from agentkv.experiments.common import machine, run_dir
-    from agentkv.experiments.report import table
 
     base = load_engine(args)
     wf = workflow(args.workflow, args.seed)
     reqs = prepare_requests(base.tokenizer, wf, args.turn, args.max_gen)
     if len(reqs) < args.turn:
         raise SystemExit(f"the workflow has only {len(reqs)} turns")
-    target = reqs[-1]
     need = sum({r.agent: len(r.ids) + r.gen for r in reqs}.values())
     clock = PhaseClock()
-    instrument_modules(clock)
+    add_span_listener(clock.on_span)
+    try:
+        return measure(args, base, wf, reqs, need, clock)
+    finally:
+        remove_span_listener(clock.on_span)
+
+
+def measure(args, base, wf, reqs, need: int, clock: PhaseClock) -> dict:
+    """The target turn (reqs' last) --repeats times and once profiled; the report written."""
+    from agentkv import Engine
+    from agentkv.experiments.common import machine, run_dir
+    from agentkv.experiments.report import table
+
+    target = reqs[-1]
 
     def fresh_state():
         """A new engine with the turns before the target replayed (stateful:
@@ -213,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         starts from the same state, prefix cache included."""
         eng = Engine(base.model, base.tokenizer, page_size=base.pool.page_size,
                      num_pages=3 * need // base.pool.page_size + 64, stateless=args.mode == "stateless")
-        instrument_engine(eng, clock)
+        eng.scheduler.add_observer(clock)
         sessions: dict[str, object] = {}
         for r in reqs[:-1]:
             s = sessions.setdefault(r.agent, eng.session()) if args.mode == "stateful" else None

@@ -16,7 +16,7 @@ from agentkv.cache.pool import PagePool
 from agentkv import Engine
 from agentkv.engine.decode_graphs import MAX_QUERY, MIN_SEQ_BUCKET, DecodeGraphs
 from agentkv.engine.limits import Limits
-from agentkv.engine.runner import StepItem
+from agentkv.engine.step_item import StepItem
 from tests.hf_models import make_hf_model
 
 PS = 4

@@ -12,7 +12,8 @@ from agentkv.kernels import dispatch
 from agentkv.cache.block_table import BlockTable
 from agentkv.cache.pool import PagePool
 from agentkv import Engine
-from agentkv.engine.runner import ModelRunner, StepItem
+from agentkv.engine.runner import ModelRunner
+from agentkv.engine.step_item import StepItem
 from agentkv.experiments.common import random_model
 from agentkv.kernels import cpu_chunk_attention, cpu_fused_ops, cpu_paged_attention, reference
 from agentkv.kernels.metadata import AttnMetadata

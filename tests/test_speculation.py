@@ -8,6 +8,7 @@ import torch
 
 import agentkv.engine.scheduler as scheduler_module
 from agentkv import Engine
+from agentkv.engine.step_observer import StepObserver
 from agentkv.engine.structured import request_grammar
 from agentkv.model.default import random_init
 from agentkv.model.sampler import SamplingParams, make_generator, probs_from_logits
@@ -215,17 +216,19 @@ def suffix_engine(ckpt):
     return Engine.from_pretrained(ckpt, page_size=8, num_pages=96, drafter="suffix")
 
 
+class DraftSpy(StepObserver):
+    def __init__(self):
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    def on_draft(self, req, draft, seconds):
+        self.seen.append((list(req.seq.tokens), draft))
+
+
 def spy_drafts(engine) -> list[tuple[list[int], list[int]]]:
     """Every (history, draft) the scheduler proposes from now on."""
-    seen, draft = [], engine.scheduler._draft
-
-    def spied(req):
-        out = draft(req)
-        seen.append((list(req.seq.tokens), out))
-        return out
-
-    engine.scheduler._draft = spied
-    return seen
+    spy = DraftSpy()
+    engine.scheduler.add_observer(spy)
+    return spy.seen
 
 
 def test_suffix_drafts_copy_the_namespace_outputs_and_never_another_namespaces(suffix_engine):

@@ -1,0 +1,192 @@
+"""Which requests a step runs, and with what: admission, KV restore and
+preemption.
+
+Requests run in priority order (Request.priority: a conversation's next turn
+by when the conversation began, then by arrival). A step takes, in that
+order, what fits in its token budget, its sequence slots and the pool: a
+prefill chunk, the one token drawn last step, or that token plus a
+speculative draft. Before a request (re)joins, what the prefix cache and the
+second tier still hold of its sequence is matched or restored. When pages run
+short, unused cached prefixes and idle sequences past their pin time give way
+first (engine.kv_policy); then the lowest-priority request holding pages is
+preempted: its pages go (published to the prefix cache), its tokens stay,
+and it re-queues to recompute what the cache lost.
+
+Prompt chunks end at multiples of Limits.prefill_chunk (and at the prompt's
+end), so how a sequence is cut never depends on what shares its step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from agentkv.cache.errors import KVCapacityError
+from agentkv.cache.pool import PagePool
+from agentkv.cache.tokens import common_prefix_len
+from agentkv.engine.draft_planner import DraftPlanner
+from agentkv.engine.kv_policy import KVPolicy
+from agentkv.engine.limits import Limits
+from agentkv.engine.request import Request
+from agentkv.engine.request_queue import RequestQueue
+from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequences import Sequences
+from agentkv.engine.stats import SchedulerCounters
+from agentkv.engine.step_item import StepItem
+from agentkv.engine.work import Work
+
+Fail = Callable[[Request, BaseException], None]
+
+
+class BatchPlanner:
+    def __init__(self, pool: PagePool, policy: KVPolicy, sequences: Sequences, limits: Limits, queue: RequestQueue,
+                 counters: SchedulerCounters, drafts: DraftPlanner, fail: Fail):
+        self.pool, self.policy, self.sequences, self.limits = pool, policy, sequences, limits
+        self.queue, self.counters, self.drafts, self.fail = queue, counters, drafts, fail
+        self._preempted_now: set[Request] = set()  # this step's: not scheduled again in it
+
+    def plan(self) -> list[Work]:
+        """This step's work, its requests admitted; a request that could
+        never fit is failed (KVCapacityError)."""
+        budget = self.limits.max_num_batched_tokens
+        work: list[Work] = []
+        reserved = 0
+        self._preempted_now.clear()
+        for req in self.queue.by_priority():
+            if len(work) >= self.limits.max_num_seqs:
+                break
+            if req.done.is_set() or req in self._preempted_now:  # gave way to another this step
+                continue
+            if not req.admitted and len(self.queue.running) >= self.limits.max_num_seqs:
+                continue  # no free slot: it waits
+            if req.ready_logits is not None:
+                work.append(self._admit(Work(req, None, [])))
+                continue
+            if not req.admitted:
+                if self._follows_a_prefill(req):
+                    continue  # waits to match what another request is computing now
+                if not self._find_kv(req, reserved, {x.req for x in work}) and work:
+                    continue  # waits for room to restore the rest, rather than recompute it
+            w = self._next_chunk(req)
+            if len(w.item.tokens) > budget and work:
+                continue  # waits for a step with room
+            needed = reserved + w.item.table.pages_needed(len(w.item.tokens))
+            if not self._secure(needed, req, {x.req for x in work}):
+                if not work:  # nothing else could give way: it cannot run now
+                    self.fail(req, KVCapacityError(needed, self.pool.num_free, self.pool.page_size))
+                    continue
+                break
+            reserved = needed
+            budget -= len(w.item.tokens)
+            work.append(self._admit(w))
+        return work
+
+    def make_room(self, pages: int, soft_pins: bool = False) -> bool:
+        """Apply the KV policy (engine.kv_policy) until `pages` are free,
+        preempting nothing. Whether they are. The caller holds the lock."""
+        if self.pool.num_free >= pages:
+            return True
+        everyone = self.sequences.all
+        return self.policy.make_room(pages, [s for s in everyone if not s.busy], soft_pins,
+                                     frozenset(s.key for s in everyone if s.busy))
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """Whether a running request is computing a prompt that shares more
+        with req's tokens than it has computed yet: req then waits, and
+        matches that prefix once computed (each prompt chunk is published to
+        the prefix cache), instead of computing it a second time. Agents that
+        start together share their system prompt this way."""
+        seq = req.seq
+        if self.policy.radix is None or seq.table.length:
+            return False
+        for r in self.queue.running:
+            other = r.seq
+            held = other.table.length
+            if (other is not seq and other.namespace == seq.namespace and held < len(other.tokens) - 1
+                    and common_prefix_len(other.tokens, seq.tokens) > held + self.pool.page_size):
+                return True
+        return False
+
+    def _find_kv(self, req: Request, reserved: int, scheduled: set[Request]) -> bool:
+        """Before a request (re)joins: what of its sequence's KV the prefix
+        cache and then the second tier still hold, all but the tokens it
+        must compute for their logits. When the pool has no room for all the
+        tier holds, as much as fits is restored; False then: the request
+        should wait for the rest instead of computing it."""
+        seq = req.seq
+        limit = len(seq.tokens) - (req.num_logits if req.is_append else 1)
+        self.policy.reuse_prefix(seq, limit)
+        end = self.policy.restorable(seq, limit)
+        if end <= seq.table.length:
+            return True
+        whole = self._secure(reserved + seq.table.pages_needed(end - seq.table.length), req, scheduled)
+        if not whole:
+            end = self._fits(seq, end, self.pool.num_free - reserved)
+        if end > seq.table.length:
+            restored = self.policy.restore(seq, end)
+            if not req.started:
+                seq.turn.restored_tokens += restored
+        return whole
+
+    def _fits(self, seq: Sequence, end: int, pages: int) -> int:
+        """The furthest position up to end whose KV `pages` free pages can hold."""
+        lo, hi = seq.table.length, end
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if seq.table.pages_needed(mid - seq.table.length) <= pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _next_chunk(self, req: Request) -> Work:
+        seq = req.seq
+        held, n = seq.table.length, len(seq.tokens)
+        size = self.limits.prefill_chunk
+        end = min(n, (held // size + 1) * size)
+        finishing = end == n
+        draft = self.drafts.draft(req) if finishing and not req.is_append else []
+        if req.is_append:  # logits of the appended tokens this chunk holds
+            num_logits = max(1, end - max(held, n - req.num_logits))
+        else:
+            num_logits = len(draft) + 1
+        item = StepItem(seq.table, seq.tokens[held:end] + draft, num_logits)
+        return Work(req, item, draft if finishing else None)
+
+    def _admit(self, w: Work) -> Work:
+        req, seq = w.req, w.req.seq
+        if not req.admitted:
+            self.queue.admit(req)
+            if not req.started:  # first admission: what it found held or cached
+                req.started = True
+                c = self.counters
+                c.queue_s.observe(time.monotonic() - req.queued_at)
+                c.prefix_queries += len(seq.tokens)
+                c.prefix_hits += seq.table.length
+                if not seq.turn.computed_tokens:
+                    seq.turn.prompt_tokens, seq.turn.reused_tokens = len(seq.tokens), seq.table.length
+        return w
+
+    def _secure(self, pages: int, req: Request, scheduled: set[Request]) -> bool:
+        """Make `pages` free for req: the KV policy's idle pages first, then
+        preemption of lower-priority requests holding pages, lowest first,
+        then idle sessions still inside their pin time."""
+        while not self.make_room(pages):
+            victims = [r for r in self.queue.all()
+                       if r not in scheduled and r is not req and r.priority() > req.priority() and r.seq.table.pages]
+            if not victims:
+                return self.make_room(pages, soft_pins=True)
+            self._preempt(max(victims, key=Request.priority))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release req's pages (published to the prefix cache); its tokens and
+        progress stay, and it re-queues to recompute what the cache loses.
+        Its KV goes to the second tier when copying beats recomputing."""
+        self.policy.evict(req.seq, preempted=True)
+        req.ready_logits = None
+        # An append's wanted logits are all recomputed: its prefix match stops before them.
+        req.logits = []
+        req.preemptions += 1
+        self._preempted_now.add(req)
+        self.counters.preemptions += 1
+        self.queue.requeue(req)
