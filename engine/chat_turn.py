@@ -35,7 +35,7 @@ from agentkv.engine.stops import cut_at_stop
 from agentkv.engine.structured import request_grammar
 from agentkv.engine.trace import span
 from agentkv.model.chat_suffix import render_suffix, reply_gap, tool_result_opening
-from agentkv.model.tool_calls import parse_tool_calls
+from agentkv.model.tool_calls import ToolCallFormat
 
 if TYPE_CHECKING:
     from agentkv.engine.engine import Engine
@@ -61,11 +61,15 @@ class Prompt:
 class ChatTurn:
     def __init__(self, engine: "Engine", session: "Session | None", work: "Session", request: Request,
                  prompt_len: int, stops: list[str], messages: list[dict], tools: list[dict] | None,
-                 digests: list[bytes] | None, native: bool):
+                 digests: list[bytes] | None, native: bool, tool_format: ToolCallFormat | None):
         self.engine, self.session, self.work, self.request = engine, session, work, request
         self.prompt_len, self.stops = prompt_len, stops
         self.messages, self.tools, self.digests = messages, tools, digests
         self.native = native  # whether the prompt continued the session's message log
+        # How the reply's calls are read: the template's format where tools are
+        # offered, as the HTTP layer reads them for the client (engine.api.replies);
+        # none otherwise, so a reply's text is never a call the client did not get.
+        self.tool_format = tool_format
 
     @classmethod
     def start(
@@ -109,8 +113,9 @@ class ChatTurn:
             work.close()
             raise
         stops = sampling.get("stop") or ()
+        tool_format = engine.tokenizer.tool_call_format if tools and tool_choice != "none" else None
         return cls(engine, session, work, req, prompt_len, [stops] if isinstance(stops, str) else list(stops),
-                   messages, tools, digests, prompt.native)
+                   messages, tools, digests, prompt.native, tool_format)
 
     def cancel(self) -> None:
         self.request.cancel()
@@ -137,7 +142,7 @@ class ChatTurn:
             text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         text, _ = cut_at_stop(text, self.stops)
         with span("parse_tools"):
-            content, calls = parse_tool_calls(text)
+            content, calls = self.tool_format.parse(text) if self.tool_format else (text, [])
         if session is not None and not self.engine.stateless:
             session.adopt(work)
             session.end_turn([c["name"] for c in calls])

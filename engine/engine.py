@@ -24,7 +24,7 @@ from agentkv.engine.retention import Retention, RetentionConfig
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequences import Sequences
-from agentkv.engine.session import Session
+from agentkv.engine.session import Session, SessionContext
 from agentkv.engine.stats import TurnStats
 from agentkv.model.config import ModelConfig
 from agentkv.model.default import default_model_dir
@@ -148,6 +148,8 @@ class Engine:
                                    self.eos_token_ids, decode, self.drafters)
         # Guards the pool, the sequences and the model (the scheduler's lock).
         self.lock = self.scheduler.lock
+        self._session_context = SessionContext(self.scheduler, self.sequences, self.tier, cfg.vocab_size,
+                                               self.max_context, tokenizer is not None)
         self._grammars: GrammarCache | None = None
 
     @property
@@ -190,7 +192,7 @@ class Engine:
         resumed after a restart passes its tokens (held, not computed: its
         next request restores what the second tier has under key)."""
         ttl = self.pin_ttl if pin_ttl == "default" else pin_ttl
-        return Session(self, self.sequences.new(namespace, ttl, tokens, key=key))
+        return Session(self._session_context, self.sequences.new(namespace, ttl, tokens, key=key))
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters and page usage."""

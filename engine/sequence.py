@@ -16,7 +16,7 @@ import torch
 
 from agentkv.cache.block_table import BlockTable
 from agentkv.engine.stats import TurnStats
-from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.drafter import Drafter
 
 
 @dataclass(eq=False)
@@ -33,7 +33,7 @@ class Sequence:
     pin_ttl: float | None
     tokens: list[int] = field(default_factory=list)
     last_logits: torch.Tensor | None = None  # after the last token; valid while every token's KV is held
-    drafter: AdaptiveLength | None = None  # made on first use: spec.drafters
+    drafter: Drafter | None = None  # made on first use: spec.drafters
     idle_since: float = field(default_factory=time.monotonic)
     closed: bool = False
     busy: bool = False  # a request is queued or running on it
@@ -57,7 +57,7 @@ class Sequence:
         """Held tokens whose KV is not computed yet."""
         return len(self.tokens) - self.table.length
 
-    def draft_index(self, make: Callable[[str], AdaptiveLength]) -> AdaptiveLength:
+    def draft_index(self, make: Callable[[str], Drafter]) -> Drafter:
         """The drafter over these tokens (made by make(namespace) the first
         time), brought up to date."""
         if self.drafter is None:

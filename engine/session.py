@@ -10,28 +10,41 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from agentkv.cache.block_table import BlockTable
+from agentkv.cache.kv_tier import KVTier
 from agentkv.engine.errors import ContextLengthError, InvalidRequestError
 from agentkv.engine.grammar import Grammar, GrammarState
 from agentkv.engine.message_log import MessageLog
 from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequences import Sequences
 from agentkv.engine.stats import TurnStats
 from agentkv.model.sampler import SamplingParams
-from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.drafter import Drafter
 
-if TYPE_CHECKING:
-    from agentkv.engine.engine import Engine
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a session needs of its engine, and no more."""
+
+    scheduler: Scheduler
+    sequences: Sequences
+    tier: KVTier | None  # the second KV tier, where saved sessions go
+    vocab_size: int
+    max_context: int
+    has_tokenizer: bool  # stop strings need one
 
 
 class Session:
-    def __init__(self, engine: "Engine", seq: Sequence):
-        self.engine = engine
-        self._scheduler, self._sequences = engine.scheduler, engine.sequences
+    def __init__(self, context: SessionContext, seq: Sequence):
+        self._context = context
+        self._scheduler, self._sequences = context.scheduler, context.sequences
         self._seq = seq
         self._sequences.close_on_collect(self, seq)
         # Which chat messages the tokens are (engine.chat_turn sets it); any
@@ -124,23 +137,23 @@ class Session:
 
     def forget_saved(self) -> None:
         """Remove what save wrote."""
-        if self.engine.tier is not None:
-            self.engine.tier.drop(self._seq.key, persistent=True)
+        if self._context.tier is not None:
+            self._context.tier.drop(self._seq.key, persistent=True)
 
     def prefetch(self) -> None:
         """Bring this session's KV on disk back to host memory now (in the
         background), so that its next request restores without reading disk."""
-        tier = self.engine.tier
+        tier = self._context.tier
         if tier is not None:
             tier.prefetch(self._seq.key)
 
-    def drafter(self) -> AdaptiveLength:
+    def drafter(self) -> Drafter:
         """The drafter over this session's tokens (the engine's kind: spec.drafters;
         its knobs, its acceptance counts)."""
         with self._sequences.lock:
             return self._seq.draft_index(self._scheduler.drafters.new)
 
-    def use_drafter(self, drafter: AdaptiveLength) -> None:
+    def use_drafter(self, drafter: Drafter) -> None:
         """Draft from this one (anything with NGramDrafter's interface) instead."""
         self._sequences.use_drafter(self._seq, drafter)
 
@@ -148,7 +161,7 @@ class Session:
         ids = list(token_ids)
         if not ids:
             raise InvalidRequestError("append needs at least one token")
-        vocab = self.engine.model.cfg.vocab_size
+        vocab = self._context.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]!r} is not in [0, {vocab})")
@@ -156,7 +169,7 @@ class Session:
         return ids
 
     def _check_length(self, n: int) -> None:
-        limit = self.engine.max_context
+        limit = self._context.max_context
         if n > limit:
             raise ContextLengthError(f"{n} tokens exceed the model's context of {limit}")
 
@@ -224,9 +237,9 @@ class Session:
             )
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        if params.stop and self.engine.tokenizer is None:
+        if params.stop and not self._context.has_tokenizer:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
-        if grammar is not None and grammar.vocab_size != self.engine.model.cfg.vocab_size:
+        if grammar is not None and grammar.vocab_size != self._context.vocab_size:
             raise InvalidRequestError("the grammar was compiled for another vocabulary")
         if not self._seq.tokens:
             raise InvalidRequestError("generate needs a non-empty session: append a prompt first")
@@ -263,7 +276,7 @@ class Session:
     def fork(self) -> "Session":
         """A new session sharing every page (copy-on-write on the first write
         into a shared partially filled page, by either side)."""
-        child = Session(self.engine, self._sequences.fork(self._seq))
+        child = Session(self._context, self._sequences.fork(self._seq))
         child.message_log = self.message_log
         return child
 
@@ -273,7 +286,7 @@ class Session:
         turn worked on a fork need not rebuild it, and shares this session's
         KV in the second tier. It ends this session's tool pause (the
         retention policy learns from it). See Engine.chat."""
-        child = Session(self.engine, self._sequences.fork(self._seq, for_turn=True))
+        child = Session(self._context, self._sequences.fork(self._seq, for_turn=True))
         self._sequences.hand_over_drafter(self._seq, child._seq)
         return child
 

@@ -19,31 +19,25 @@ JSON object.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from agentkv.engine.grammar import Grammar, GrammarError
-from agentkv.model.tool_calls import detect_tool_call_format
+from agentkv.engine.grammar import Grammar, GrammarCache, GrammarError
+from agentkv.model.tokenizer import Tokenizer
+from agentkv.model.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat, chosen_tool_name, tool_choice_error
 from agentkv.spec.schema_phrases import schema_phrases
 
-if TYPE_CHECKING:
-    from agentkv.engine.engine import Engine
-    from agentkv.model.tokenizer import Tokenizer
-
-__all__ = ["tool_call_format", "structural_tag", "request_grammar"]
-
-# Per format: how a call opens (with the tool's name) and closes around its
-# arguments, what separates parallel calls, and the marker that opens a call.
-_SYNTAX = {
-    "hermes": ('<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>", "\n", "<tool_call>"),
-    "llama3_json": ('{{"name": {name}, "parameters": ', "}", "; ", '{"name": '),
-}
+__all__ = ["structural_tag", "request_grammar"]
 _MAX_WHITESPACE = 1
 
 
-def tool_call_format(tokenizer: "Tokenizer") -> str:
-    """How the model writes tool calls; Hermes when its template does not say."""
-    templates = tokenizer.chat_templates
-    return detect_tool_call_format(templates.get("tool_use") or tokenizer.chat_template) or "hermes"
+class GrammarSource(Protocol):
+    """What request_grammar needs of an engine."""
+
+    tokenizer: Tokenizer
+    constrain_auto: bool  # whether tool_choice "auto" holds a call to the schemas
+
+    @property
+    def grammars(self) -> GrammarCache: ...
 
 
 def _function(tool: Any) -> dict:
@@ -63,30 +57,23 @@ def _json(schema: dict | bool) -> dict:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
 
 
-def _call_tags(functions: list[dict], fmt: str) -> list[dict]:
-    begin, end, _, _ = _SYNTAX[fmt]
+def _call_tags(functions: list[dict], fmt: ToolCallFormat) -> list[dict]:
     return [
-        {"type": "tag", "begin": begin.format(name=json.dumps(fn["name"])),
-         "content": _json(fn.get("parameters") or {"type": "object"}), "end": end}
+        {"type": "tag", "begin": fmt.call_begin.format(name=json.dumps(fn["name"])),
+         "content": _json(fn.get("parameters") or {"type": "object"}), "end": fmt.call_end}
         for fn in functions
     ]
 
 
 def _chosen(functions: list[dict], tool_choice: Any) -> tuple[list[dict], bool]:
     """The functions the reply may call, and whether it must call one."""
+    if (why := tool_choice_error(tool_choice, [fn["name"] for fn in functions])) is not None:
+        raise GrammarError(why)
     if tool_choice in (None, "auto", "none"):
         return ([] if tool_choice == "none" else functions), False
     if tool_choice == "required":
-        if not functions:
-            raise GrammarError('tool_choice "required" needs tools')
         return functions, True
-    name = tool_choice.get("function", tool_choice).get("name") if isinstance(tool_choice, dict) else None
-    if not isinstance(name, str):
-        raise GrammarError(f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}')
-    named = [fn for fn in functions if fn["name"] == name]
-    if not named:
-        raise GrammarError(f"tool_choice names {name!r}, which is not among the tools")
-    return named, True
+    return [fn for fn in functions if fn["name"] == chosen_tool_name(tool_choice)], True
 
 
 def _response_schema(response_format: Any) -> dict | bool | None:
@@ -111,7 +98,7 @@ def structural_tag(
     tools: list[dict] | None,
     tool_choice: Any = None,
     response_format: Any = None,
-    fmt: str = "hermes",
+    fmt: ToolCallFormat = TOOL_CALL_FORMATS["hermes"],
     parallel_tool_calls: bool = True,
 ) -> dict | None:
     """The xgrammar structural tag for these request options, or None when
@@ -121,15 +108,13 @@ def structural_tag(
     chosen, forced = _chosen(functions, tool_choice)
     schema = _response_schema(response_format)
     if forced:
-        _, _, separator, _ = _SYNTAX[fmt]
         single = not parallel_tool_calls or tool_choice != "required"
-        body = {"type": "tags_with_separator", "tags": _call_tags(chosen, fmt), "separator": separator,
+        body = {"type": "tags_with_separator", "tags": _call_tags(chosen, fmt), "separator": fmt.separator,
                 "at_least_one": True, "stop_after_first": single}
     elif schema is not None:
         body = _json(schema)
     elif chosen:
-        _, _, _, trigger = _SYNTAX[fmt]
-        body = {"type": "triggered_tags", "triggers": [trigger], "tags": _call_tags(chosen, fmt),
+        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": _call_tags(chosen, fmt),
                 "stop_after_first": not parallel_tool_calls}
     else:
         return None
@@ -137,7 +122,7 @@ def structural_tag(
 
 
 def request_grammar(
-    engine: "Engine",
+    engine: GrammarSource,
     tools: list[dict] | None = None,
     tool_choice: Any = None,
     response_format: Any = None,
@@ -148,7 +133,8 @@ def request_grammar(
     result to Session.generate(grammar=...). GrammarError (a 400) on bad
     options or schemas; nothing is changed then. With engine.constrain_auto
     off, tool_choice "auto" (or none given) constrains nothing."""
-    tag = structural_tag(tools, tool_choice, response_format, tool_call_format(engine.tokenizer), parallel_tool_calls)
+    tag = structural_tag(tools, tool_choice, response_format, engine.tokenizer.tool_call_format,
+                         parallel_tool_calls)
     if tag is None or (not engine.constrain_auto and tool_choice in (None, "auto") and response_format is None):
         return None
     grammar = engine.grammars.get(tag)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
+
+from agentkv.model.tool_calls import ToolCallFormat, format_of_template
 
 __all__ = ["Tokenizer", "TokenizerError", "IncrementalDecoder", "render_chat_template"]
 
@@ -246,6 +248,11 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
+
+    @cached_property
+    def tool_call_format(self) -> ToolCallFormat:
+        """How the model writes tool calls, as its tool-use template teaches."""
+        return format_of_template(self.chat_templates.get("tool_use") or self.chat_template)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

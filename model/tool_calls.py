@@ -7,15 +7,25 @@
 
 A reply is text the model wrote, so nothing here raises: what does not parse
 as a call stays in the text.
+
+A ToolCallFormat is all one format says: what a call looks like to a grammar
+(engine.structured), the marker that starts one in a reply (streaming shows
+no text past it: engine.api.replies) and how to read the calls back; the
+tokenizer knows its template's (Tokenizer.tool_call_format), and every
+reader of a reply parses with that one. tool_choice_error is the one check
+of a tool_choice against the tools offered.
 """
 from __future__ import annotations
 
 import json
 import re
 import secrets
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["parse_tool_calls", "detect_tool_call_format", "new_call_id"]
+__all__ = ["ToolCallFormat", "TOOL_CALL_FORMATS", "format_of_template", "tool_choice_error", "parse_tool_calls",
+           "detect_tool_call_format", "new_call_id"]
 
 FORMATS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -128,3 +138,53 @@ def detect_tool_call_format(chat_template: str | None) -> str | None:
     if _PYTHON_TAG in chat_template or ("<|start_header_id|>" in chat_template and '"parameters"' in chat_template):
         return "llama3_json"
     return None
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    name: str
+    marker: str  # what starts a call in a reply
+    call_begin: str  # a call up to its arguments; {name} is the tool's name as a JSON string
+    call_end: str  # after the arguments
+    separator: str  # between parallel calls
+    trigger: str  # what, once written, holds the rest of the reply to a call (tool_choice "auto")
+    unmarked: bool  # a reply may also be calls with no marker at all: JSON from its first character
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """parse_tool_calls in this format alone."""
+        return parse_tool_calls(text, self.name)
+
+
+TOOL_CALL_FORMATS = {
+    "hermes": ToolCallFormat("hermes", _HERMES_OPEN, _HERMES_OPEN + '\n{{"name": {name}, "arguments": ',
+                             "}\n" + _HERMES_CLOSE, "\n", _HERMES_OPEN, False),
+    "llama3_json": ToolCallFormat("llama3_json", _PYTHON_TAG, '{{"name": {name}, "parameters": ', "}", "; ",
+                                  '{"name": ', True),
+}
+
+
+def format_of_template(chat_template: str | None) -> ToolCallFormat:
+    """The format a chat template teaches; Hermes where it says none."""
+    return TOOL_CALL_FORMATS[detect_tool_call_format(chat_template) or "hermes"]
+
+
+def chosen_tool_name(tool_choice: Any) -> str | None:
+    """The function a tool_choice names: chat's {"type": "function",
+    "function": {"name": ...}} or the Responses API's {"type": "function",
+    "name": ...}; None for anything else."""
+    if not isinstance(tool_choice, dict):
+        return None
+    name = tool_choice.get("function", tool_choice).get("name")
+    return name if isinstance(name, str) else None
+
+
+def tool_choice_error(tool_choice: Any, offered: Collection[str]) -> str | None:
+    """Why tool_choice cannot be met with the tools named offered, or None."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return None if offered else 'tool_choice "required" needs tools'
+    name = chosen_tool_name(tool_choice)
+    if name is None:
+        return f'tool_choice must be "none", "auto", "required" or a named function, got {tool_choice!r}'
+    return None if name in offered else f"tool_choice names {name!r}, which is not among the tools"

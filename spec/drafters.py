@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.drafter import Drafter
 from agentkv.spec.ngram import NGramDrafter
 from agentkv.spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
 
@@ -29,7 +29,7 @@ class Drafters:
         # One bound over every session's tree, whatever the number of sessions.
         self.session_nodes = NodeBudget(max_session_nodes) if kind == "suffix" else None
 
-    def new(self, namespace: str) -> AdaptiveLength:
+    def new(self, namespace: str) -> Drafter:
         """A drafter for a sequence in namespace (its history empty)."""
         if self.outputs is None:
             return NGramDrafter()

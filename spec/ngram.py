@@ -10,10 +10,10 @@ extending pushed.
 """
 from __future__ import annotations
 
-from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.drafter import Drafter
 
 
-class NGramDrafter(AdaptiveLength):
+class NGramDrafter(Drafter):
     """Per-session draft source with its own copy of the token history.
 
     The engine keeps it in step with the session: `extend` with every token

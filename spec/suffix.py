@@ -15,7 +15,7 @@ import itertools
 import weakref
 from collections import OrderedDict
 
-from agentkv.spec.adaptive import AdaptiveLength
+from agentkv.spec.drafter import Drafter
 from agentkv.spec.suffix_tree import Draft, SuffixTree
 
 # SuffixDecoding's tree depth (vLLM's `method: suffix` defaults to 24, a draft
@@ -140,7 +140,7 @@ class OutputTrees:
         return tree
 
 
-class SuffixDrafter(AdaptiveLength):
+class SuffixDrafter(Drafter):
     """Per-session drafter with NGramDrafter's interface (extend, truncate,
     propose, draft_len, record), its tree over the history's last `window`
     tokens. newest=False: SuffixDecoding's walk to the most frequent child

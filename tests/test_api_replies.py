@@ -6,6 +6,7 @@ import pytest
 from agentkv.engine.api.replies import ReplyText
 from agentkv.model.default_tokenizer import build_default_tokenizer
 from agentkv.model.tokenizer import Tokenizer
+from agentkv.model.tool_calls import TOOL_CALL_FORMATS
 
 EOS = [2]
 
@@ -20,7 +21,7 @@ def tokenizer(tmp_path_factory):
 def stream(tokenizer, text: str, stops=(), tool_format=None, step: int = 1):
     """(the deltas, the reply) of `text` pushed `step` tokens at a time."""
     ids = tokenizer.encode(text)
-    reply = ReplyText(tokenizer, tuple(stops), tool_format)
+    reply = ReplyText(tokenizer, tuple(stops), TOOL_CALL_FORMATS[tool_format] if tool_format else None)
     deltas = [reply.push(ids[i : i + step]) for i in range(0, len(ids), step)]
     rest, whole = reply.finish(ids, EOS)
     return deltas + [rest], whole

@@ -79,7 +79,7 @@ def test_tool_calls_are_parsed_from_the_reply(engine, monkeypatch):
 
     def scripted(self, **kwargs):
         req = original(self, **{**kwargs, "max_tokens": 1})  # keep the session's bookkeeping real
-        self.engine.scheduler.wait(req)
+        engine.scheduler.wait(req)
         self.truncate(len(self) - 1)
         self.queue(reply)
         req.output = list(reply)

@@ -255,3 +255,23 @@ def test_chat_completions_continue_natively_over_http(engines):
             last = usage
             message = r["choices"][0]["message"]
             messages += [{k: v for k, v in message.items() if v is not None}, tool_result(city)]
+
+
+def test_a_reply_without_tools_offered_stays_text_and_continues_natively(engines):
+    # With no tools offered nothing parses a reply's calls, here as over HTTP
+    # (engine.api.replies): the client echoes the text as it got it, the
+    # message log logged the same, and the next turn continues natively.
+    engine = engines["native"]
+    for city in CITIES:
+        with engine.session() as s:
+            messages = [ask(city)]
+            first = engine.chat(messages, None, session=s, max_tokens=48, temperature=0.0)
+            if "<tool_call>" not in first.text:
+                continue
+            assert first.tool_calls == [] and first.finish_reason != "tool_calls" and s.message_log is not None
+            messages += [echo(first), {"role": "user", "content": "Thanks. Anything else?"}]
+            second = engine.chat(messages, None, session=s, max_tokens=8, temperature=0.0)
+            u = second.usage
+            assert u["native"] and u["cached_tokens"] >= first.usage["prompt_tokens"] + len(first.token_ids) - 1
+            return
+    pytest.fail("the embedded model wrote no <tool_call> without tools for any city: the case is untested")

@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.model.tool_calls import detect_tool_call_format, parse_tool_calls
+from agentkv.model.tool_calls import (
+    TOOL_CALL_FORMATS,
+    detect_tool_call_format,
+    format_of_template,
+    parse_tool_calls,
+    tool_choice_error,
+)
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 
@@ -129,3 +135,37 @@ def test_hermes_round_trip(text, calls, as_string):
 def test_never_raises(text):
     content, calls = parse_tool_calls(text)
     assert isinstance(content, str) and all(isinstance(c["arguments"], dict) for c in calls)
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_CALL_FORMATS))
+def test_a_format_parses_the_calls_its_grammar_syntax_writes(fmt):
+    # What a grammar holds a call to (call_begin, call_end, separator) is what
+    # the same format's parser reads back, in one call and in parallel ones.
+    f = TOOL_CALL_FORMATS[fmt]
+    one = f.call_begin.format(name=json.dumps("get_weather")) + '{"city": "Oslo"}' + f.call_end
+    two = f.call_begin.format(name=json.dumps("now")) + "{}" + f.call_end
+    for text, want in [(one, [("get_weather", {"city": "Oslo"})]),
+                       (one + f.separator + two, [("get_weather", {"city": "Oslo"}), ("now", {})])]:
+        content, calls = f.parse(text)
+        assert _calls(calls) == want and content == ""
+    assert f.trigger in one and (f.unmarked or f.marker in one)
+
+
+def test_format_of_template_defaults_to_hermes():
+    assert format_of_template(None) is TOOL_CALL_FORMATS["hermes"]
+    assert format_of_template('{{ "<|python_tag|>" }}') is TOOL_CALL_FORMATS["llama3_json"]
+
+
+@pytest.mark.parametrize("choice,offered,error", [
+    (None, [], None), ("auto", [], None), ("none", ["a"], None), ("required", ["a"], None),
+    ("required", [], 'tool_choice "required" needs tools'),
+    ({"type": "function", "function": {"name": "a"}}, ["a"], None),
+    ({"type": "function", "name": "a"}, ["a"], None),
+    ({"type": "function", "function": {"name": "b"}}, ["a"], "tool_choice names 'b', which is not among the tools"),
+    ({"type": "function", "name": "b"}, [], "tool_choice names 'b', which is not among the tools"),
+    ("sometimes", ["a"], "tool_choice must be"),
+    ({"type": "function"}, ["a"], "tool_choice must be"),
+])
+def test_tool_choice_error_is_the_one_check_of_a_choice(choice, offered, error):
+    got = tool_choice_error(choice, offered)
+    assert got == error if error is None else got.startswith(error)

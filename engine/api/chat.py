@@ -38,6 +38,7 @@ from fastapi import APIRouter, Header, Request
 from agentkv import ChatResult
 from agentkv.engine.chat_turn import ChatTurn
 from agentkv.engine.request import OnDone, OnTokens
+from agentkv.model.tool_calls import tool_choice_error
 from agentkv.engine.api.errors import APIError
 from agentkv.engine.api.generation import Generation
 from agentkv.engine.api.replies import ReplyText
@@ -71,11 +72,9 @@ def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
 
 
 def check_tool_choice(body: ChatCompletionRequest) -> None:
-    choice, offered = body.tool_choice, {tool.function.name for tool in body.tools or ()}
-    if choice == "required" and not offered:
-        raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in offered:
-        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+    offered = [tool.function.name for tool in body.tools or ()]
+    if (why := tool_choice_error(constraints(body)["tool_choice"], offered)) is not None:
+        raise APIError(400, why, param="tool_choice")
 
 
 def constraints(body: ChatCompletionRequest) -> dict:

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from agentkv.engine.api.schemas import ResponseFunctionCall, ResponseToolCall
 from agentkv.engine.stops import cut_at_stop, first_stop
 from agentkv.model.tokenizer import IncrementalDecoder, Tokenizer
-from agentkv.model.tool_calls import parse_tool_calls
+from agentkv.model.tool_calls import ToolCallFormat
 
-# What starts a tool call in each format's replies.
-_MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>",)}
 _FIRST_CHAR = re.compile(r"\s*(\S?)")
 
 
@@ -54,11 +52,11 @@ class ReplyText:
     """A reply's text as its tokens arrive. `tool_format` None means tool
     calls are not parsed (no tools offered, or tool_choice "none")."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], tool_format: str | None):
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], tool_format: ToolCallFormat | None):
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
         self._stops = stops
         self._tool_format = tool_format
-        self._barriers = stops + _MARKERS.get(tool_format, ())
+        self._barriers = stops + ((tool_format.marker,) if tool_format else ())
         self._longest = max(map(len, self._barriers), default=0)
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of text given out
@@ -73,7 +71,7 @@ class ReplyText:
         """Once every token is pushed: the rest of the text to show, and the whole reply."""
         self._text += self._decoder.flush()
         text, stopped = cut_at_stop(self._text, self._stops)
-        content, calls = parse_tool_calls(text, self._tool_format) if self._tool_format else (text, [])
+        content, calls = self._tool_format.parse(text) if self._tool_format else (text, [])
         # Held back for fear of a call: now shown if there was none.
         rest = "" if calls else self._advance(final=True)
         # What the tool-call parser keeps after the calls was never shown.
@@ -104,7 +102,8 @@ class ReplyText:
         """How many trailing characters could still become part of a barrier."""
         tail = self._text[self._shown :]
         # Shown text never ends in held-back whitespace, so nothing shown means nothing but whitespace came yet.
-        if self._tool_format == "llama3_json" and not self._shown and _FIRST_CHAR.match(tail).group(1) in ("", "{"):
+        unmarked = self._tool_format is not None and self._tool_format.unmarked
+        if unmarked and not self._shown and _FIRST_CHAR.match(tail).group(1) in ("", "{"):
             return len(tail)  # a reply that is a JSON call has no marker: hold it all until the end
         held = next(
             (n for n in range(min(len(tail), self._longest - 1), 0, -1) if any(b.startswith(tail[-n:]) for b in self._barriers)),

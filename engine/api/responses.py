@@ -50,6 +50,7 @@ from agentkv.engine.api.responses_schemas import (
 from agentkv.engine.api.sse import event_stream
 from agentkv.engine.api.state import ApiState
 from agentkv.engine.api.tenants import tenant_of
+from agentkv.model.tool_calls import tool_choice_error
 
 router = APIRouter(prefix="/v1/responses")
 
@@ -67,11 +68,9 @@ def _entry(request: Request, response_id: str) -> StoredResponse:
 
 
 def check_tool_choice(body: ResponsesRequest) -> None:
-    choice, offered = body.tool_choice, {tool.name for tool in body.tools or ()}
-    if choice == "required" and not offered:
-        raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
-    if isinstance(choice, NamedFunctionChoice) and choice.name not in offered:
-        raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools", param="tool_choice")
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunctionChoice) else body.tool_choice
+    if (why := tool_choice_error(choice, [tool.name for tool in body.tools or ()])) is not None:
+        raise APIError(400, why, param="tool_choice")
 
 
 @router.post("", response_model=None)

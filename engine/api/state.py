@@ -16,11 +16,11 @@ from agentkv.engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseSto
 from agentkv.engine.api.session_files import SessionFiles
 from agentkv.engine.api.sessions import SessionRegistry
 from agentkv.engine.api.tenants import ApiKeys, Tenant
-from agentkv.engine.structured import tool_call_format
 
 if TYPE_CHECKING:
     from agentkv import Engine
     from agentkv.model.tokenizer import Tokenizer
+    from agentkv.model.tool_calls import ToolCallFormat
 
 
 @dataclass(eq=False)
@@ -70,9 +70,9 @@ class ApiState:
         return self.engine.tokenizer
 
     @property
-    def tool_format(self) -> str:
+    def tool_format(self) -> ToolCallFormat:
         """How the model writes tool calls; Hermes when its template does not say."""
-        return tool_call_format(self.tokenizer)
+        return self.tokenizer.tool_call_format
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

@@ -1,11 +1,13 @@
-"""How long a draft to propose next, learned from how much of the recent ones
-the target model accepted: shared by every drafter."""
+"""The base of every drafter (spec.ngram, spec.suffix): how long a draft to
+propose next, learned from how much of the recent ones the target model
+accepted."""
 from __future__ import annotations
 
 
-class AdaptiveLength:
+class Drafter:
     """A drafter's draft length and acceptance counts. Subclasses hold the
-    token history (len(self)) and call `_truncated` when it is cut back."""
+    token history (len(self)), propose drafts from it, and call `_truncated`
+    when it is cut back."""
 
     def __init__(self, max_k: int = 8, probe_every: int = 16):
         if max_k < 1:
