@@ -209,7 +209,7 @@ def native_prompt(engine: "Engine", session: "Session", messages: list[dict], to
         ids = engine.tokenizer.encode(log.gap + suffix)
     # What was pre-positioned is kept as far as the turn does begin so; the
     # rest of it is truncated away before the turn's tokens are queued.
-    kept = common_prefix_len(ids, list(log.ahead)) if log.ahead else 0
+    kept = common_prefix_len(ids, list(log.prepositioned)) if log.prepositioned else 0
     return Prompt(ids[kept:], log.length + kept, True)
 
 

@@ -72,11 +72,11 @@ class MessageLog:
     tools: bytes
     length: int  # the session's tokens the messages span
     gap: str  # template text after the last held token, before the next message
-    ahead: tuple[int, ...] = ()  # held past `length`: what the next message was expected to begin with
+    prepositioned: tuple[int, ...] = ()  # held past `length`: what the next message was expected to begin with
 
     def to_json(self) -> dict:
         return {"digests": [d.hex() for d in self.digests], "tools": self.tools.hex(), "length": self.length,
-                "gap": self.gap, "ahead": list(self.ahead)}
+                "gap": self.gap, "ahead": list(self.prepositioned)}  # the key saved files have always had
 
     @classmethod
     def from_json(cls, body: dict) -> "MessageLog":
@@ -94,5 +94,5 @@ class MessageLog:
         """Whether a request of these messages (and tools) extends the logged
         conversation by at least one message, on a session still as logged."""
         n = len(self.digests)
-        return (session_length == self.length + len(self.ahead) and tools == self.tools and len(digests) > n
+        return (session_length == self.length + len(self.prepositioned) and tools == self.tools and len(digests) > n
                 and tuple(digests[:n]) == self.digests)

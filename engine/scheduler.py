@@ -214,7 +214,7 @@ class Scheduler:
         self._reap()
         work = self.planner.plan()
         if not work:
-            return self._compute_ahead()
+            return self._compute_prepositioned()
         items = [w.item for w in work if w.item is not None]
         logits = []
         phase = step_phase(work)
@@ -240,7 +240,7 @@ class Scheduler:
         c.step_s += time.perf_counter() - start
         return True
 
-    def _compute_ahead(self) -> bool:
+    def _compute_prepositioned(self) -> bool:
         """With nothing else to do: compute the pending tokens of one idle
         sequence that holds them ahead of its next turn (pre-positioning),
         within this step and under the lock, so the sequence never looks
@@ -250,9 +250,9 @@ class Scheduler:
         if len(self.queue):
             return False
         for seq in self.sequences.all:
-            if not seq.ahead or seq.busy or seq.closed:
+            if not seq.preposition_pending or seq.busy or seq.closed:
                 continue
-            seq.ahead = False
+            seq.preposition_pending = False
             held, n = seq.table.length, len(seq.tokens)
             if not 0 < n - held <= self.limits.prefill_chunk or seq.table.pages_needed(n - held) > self.pool.num_free:
                 continue
@@ -263,7 +263,7 @@ class Scheduler:
                 seq.table.truncate(held)
                 continue
             seq.last_logits = None
-            self.counters.ahead_tokens += n - held
+            self.counters.prepositioned_tokens += n - held
             return True
         return False
 

@@ -47,7 +47,7 @@ class Sequence:
     key: str = field(default_factory=lambda: secrets.token_hex(8))
     # Its pending tokens are what its next turn is known to begin with: the
     # scheduler computes them when it has nothing else to do (pre-positioning).
-    ahead: bool = False
+    preposition_pending: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)

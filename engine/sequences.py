@@ -78,13 +78,13 @@ class Sequences:
             if n < len(seq.tokens):
                 seq.rollback(n)
 
-    def extend(self, seq: Sequence, tokens: list[int], ahead: bool = False) -> None:
+    def extend(self, seq: Sequence, tokens: list[int], preposition: bool = False) -> None:
         """Hold tokens without computing them: the next request computes them
-        (with ahead, the scheduler may compute them first, when idle)."""
+        (with preposition, the scheduler may compute them first, when idle)."""
         with self.idle(seq):
             seq.tokens.extend(tokens)
             seq.last_logits = None
-            seq.ahead = ahead
+            seq.preposition_pending = preposition
 
     def adopt(self, into: Sequence, source: Sequence) -> None:
         """into takes over source's tokens, pages and turn (source is closed); into's own pages go."""

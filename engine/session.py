@@ -207,8 +207,8 @@ class Session:
         ids = self._check_tokens(token_ids)
         self._check_length(len(self) + len(ids))
         log = self.message_log
-        self._sequences.extend(self._seq, ids, ahead=True)
-        self.message_log = dataclasses.replace(log, ahead=log.ahead + tuple(ids)) if log is not None else None
+        self._sequences.extend(self._seq, ids, preposition=True)
+        self.message_log = dataclasses.replace(log, prepositioned=log.prepositioned + tuple(ids)) if log is not None else None
         self._scheduler.wake()
 
     def start_generate(

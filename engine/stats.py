@@ -72,7 +72,7 @@ class SchedulerCounters:
     finished: int = 0
     prefix_queries: int = 0  # prompt tokens of admitted requests
     prefix_hits: int = 0  # of those, whose KV was held or found in the prefix cache
-    ahead_tokens: int = 0  # computed ahead of a turn, while idle (pre-positioning)
+    prepositioned_tokens: int = 0  # computed ahead of a turn, while idle (pre-positioning)
     step_s: float = 0.0  # wall time of steps that ran a forward
     forward_s: float = 0.0  # of that, in the forward
     batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512)))

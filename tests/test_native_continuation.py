@@ -126,8 +126,8 @@ def serving(engines):
 
 def wait_prepositioned(engine: Engine, before: int) -> int:
     for _ in range(500):
-        if engine.scheduler.counters.ahead_tokens > before:
-            return engine.scheduler.counters.ahead_tokens - before
+        if engine.scheduler.counters.prepositioned_tokens > before:
+            return engine.scheduler.counters.prepositioned_tokens - before
         time.sleep(0.01)
     raise AssertionError("nothing was pre-positioned")
 
@@ -136,18 +136,18 @@ def test_the_tool_results_opening_is_computed_while_idle_and_kept(serving):
     engine = serving
     with engine.session() as s:
         messages = [ask("Nuuk")]
-        before = engine.scheduler.counters.ahead_tokens
+        before = engine.scheduler.counters.prepositioned_tokens
         first = turn(engine, s, messages)
         log = s.message_log
-        assert first.tool_calls and log.ahead
-        assert engine.tokenizer.decode(list(log.ahead)) == "\n<|im_start|>user\n<tool_response>"
+        assert first.tool_calls and log.prepositioned
+        assert engine.tokenizer.decode(list(log.prepositioned)) == "\n<|im_start|>user\n<tool_response>"
         # The reply's last token and the opening: computed while the tool "runs".
-        assert wait_prepositioned(engine, before) == len(log.ahead) + 1
-        assert s.table.length == len(s) == log.length + len(log.ahead)
+        assert wait_prepositioned(engine, before) == len(log.prepositioned) + 1
+        assert s.table.length == len(s) == log.length + len(log.prepositioned)
         messages += [echo(first), tool_result("Nuuk")]
         second = turn(engine, s, messages)
         u = second.usage
-        assert u["native"] and u["cached_tokens"] == log.length + len(log.ahead)
+        assert u["native"] and u["cached_tokens"] == log.length + len(log.prepositioned)
         prompt = s.tokens[: u["prompt_tokens"]]
         assert_as_a_fresh_prefill(engine, s, prompt, second.token_ids)
 
@@ -156,7 +156,7 @@ def test_prepositioned_tokens_roll_back_when_the_turn_begins_otherwise(serving):
     engine = serving
     with engine.session() as s:
         messages = [ask("Baku")]
-        before = engine.scheduler.counters.ahead_tokens
+        before = engine.scheduler.counters.prepositioned_tokens
         first = turn(engine, s, messages)
         log = s.message_log
         wait_prepositioned(engine, before)
@@ -167,8 +167,8 @@ def test_prepositioned_tokens_roll_back_when_the_turn_begins_otherwise(serving):
         prompt = s.tokens[: u["prompt_tokens"]]
         new = engine.tokenizer.encode(log.gap + render_suffix(engine.tokenizer, messages, len(log.digests), TOOLS))
         assert prompt == s.tokens[: log.length] + new  # nothing of the opening that it does not begin with
-        kept = next(i for i, (a, b) in enumerate(zip(new, log.ahead)) if a != b)
-        assert 0 < kept < len(log.ahead) and u["cached_tokens"] == log.length + kept
+        kept = next(i for i, (a, b) in enumerate(zip(new, log.prepositioned)) if a != b)
+        assert 0 < kept < len(log.prepositioned) and u["cached_tokens"] == log.length + kept
         engine.pool.check()
         assert second.token_ids == fresh_reply(engine, prompt)
 

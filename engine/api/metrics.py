@@ -99,7 +99,7 @@ class Metrics:
         out += _histogram("agentkv_step_batch_size", "Requests per scheduler step.", "", c.batch_size)
         out += _labelled("agentkv_steps_total", "counter", "Scheduler steps that ran work.", "", c.steps)
         out += _labelled("agentkv_prepositioned_tokens_total", "counter",
-                         "Tokens computed ahead of a turn while the scheduler was idle.", "", c.ahead_tokens)
+                         "Tokens computed ahead of a turn while the scheduler was idle.", "", c.prepositioned_tokens)
         out += _labelled("agentkv_requests_cancelled_total", "counter", "Requests cancelled (client gone).", "", c.cancelled)
         out += _labelled("agentkv_requests_finished_total", "counter", "Engine requests that finished.", "", c.finished)
         out += _labelled("agentkv_requests_failed_total", "counter", "Engine requests that failed (rolled back).", "", c.failed)

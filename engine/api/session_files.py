@@ -102,7 +102,7 @@ def _parse(b: dict, vocab_size: int) -> SavedSession:
         raise ValueError(f"bad session id {b['id']!r} or tenant {b['tenant']!r}")
     tokens = check_tokens(b["tokens"], vocab_size)
     log = MessageLog.from_json(b["log"]) if b.get("log") is not None else None
-    if log is not None and log.length + len(log.ahead) != len(tokens):
+    if log is not None and log.length + len(log.prepositioned) != len(tokens):
         log = None  # not of these tokens: the session continues template-faithfully once
     return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), tokens,
                         [TurnRecord(**t) for t in b["turns"]], log)
