@@ -29,8 +29,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# One for every call without CUDA: spans sit on the per-step path.
+_NO_RANGE = nullcontext()
+
+
 def nvtx_range(name: str) -> AbstractContextManager[None]:
-    return _pushed(name) if _cuda() else nullcontext()
+    return _pushed(name) if _cuda() else _NO_RANGE
 
 
 @contextmanager

@@ -26,19 +26,26 @@ def repeating_prompt(seed: int) -> list[int]:
 
 
 class Recorder(StepObserver):
+    """Records every hook's arguments; the tests check them afterwards (an
+    observer's own exceptions are logged and swallowed by the scheduler)."""
+
     def __init__(self):
-        self.steps, self.drafts, self.verdicts = [], [], []
+        self.steps, self.drafts, self.verdicts, self.forward_s = [], [], [], []
 
     def on_step(self, phase, items, forward_s):
-        assert forward_s > 0
+        self.forward_s.append(forward_s)
         self.steps.append((phase, sum(len(it.tokens) for it in items), len(items)))
 
     def on_draft(self, req, draft, seconds):
         self.drafts.append((req, list(draft)))
 
     def on_verdict(self, req, draft, accepted, tokens):
-        assert 0 <= accepted <= len(draft) and draft[:accepted] == tokens[:accepted]
         self.verdicts.append((req, list(draft), accepted, list(tokens)))
+
+    def check(self) -> None:
+        assert self.forward_s and all(s > 0 for s in self.forward_s)
+        for _, draft, accepted, tokens in self.verdicts:
+            assert 0 <= accepted <= len(draft) and draft[:accepted] == tokens[:accepted]
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -49,6 +56,7 @@ def test_an_observer_sees_every_step_draft_and_verdict(ckpt, speculative):
     with engine.session() as s:
         s.append(repeating_prompt(1))
         out = s.generate(max_tokens=24, ignore_eos=True, speculative=speculative)
+    rec.check()
     # The verdicts' tokens are the output, in order; each verdict applies one step's draft.
     assert [t for v in rec.verdicts for t in v[3]] == out
     phases = [p for p, _, _ in rec.steps]
@@ -81,6 +89,7 @@ def test_a_step_batches_the_queued_sessions_as_the_observer_sees_it(ckpt):
     for req in reqs:
         engine.scheduler.wait(req)
     assert [len(req.output) for req in reqs] == [12, 12, 12]
+    rec.check()
     decode_batches = [n for phase, _, n in rec.steps if phase == "decode"]
     assert decode_batches == [3] * 11  # the first token comes with the prompt's step
     assert sum(len(v[3]) for v in rec.verdicts) == 36

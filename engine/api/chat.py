@@ -71,15 +71,20 @@ def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
     return body_id or header_id
 
 
+def tool_choice(body: ChatCompletionRequest) -> str | dict | None:
+    """The request's tool_choice as Engine.chat takes it."""
+    return body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+
+
 def check_tool_choice(body: ChatCompletionRequest) -> None:
     offered = [tool.function.name for tool in body.tools or ()]
-    if (why := tool_choice_error(constraints(body)["tool_choice"], offered)) is not None:
+    if (why := tool_choice_error(tool_choice(body), offered)) is not None:
         raise APIError(400, why, param="tool_choice")
 
 
 def constraints(body: ChatCompletionRequest) -> dict:
     """The request's tool_choice, response_format and parallel_tool_calls as Engine.chat takes them."""
-    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    choice = tool_choice(body)
     response_format = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
     return {"tool_choice": choice, "response_format": response_format,
             "parallel_tool_calls": body.parallel_tool_calls is not False}
