@@ -20,10 +20,12 @@ import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Callable
 
 _EXPORTS = {
     "Engine": "agentkv.engine.engine",
-    "ChatResult": "agentkv.engine.engine",
+    "TurnResult": "agentkv.engine.turn",
+    "Conversation": "agentkv.engine.turn",
     "Session": "agentkv.engine.session",
     "EngineError": "agentkv.engine.errors",
     "InvalidRequestError": "agentkv.engine.errors",
@@ -35,20 +37,28 @@ _EXPORTS = {
     "UnsupportedModelError": "agentkv.engine.errors",
 }
 
-__all__ = [*_EXPORTS, "step_aside"]
+__all__ = [*_EXPORTS, "lazy_exports", "step_aside"]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agentkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def lazy_exports(module: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """__getattr__ and __dir__ for a module whose names (name -> the module
+    defining it) are imported on first use, then kept."""
+
+    def getattr_(name: str) -> object:
+        source = exports.get(name)
+        if source is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(source), name)
+        setattr(sys.modules[module], name, value)
+        return value
+
+    def dir_() -> list[str]:
+        return sorted({*vars(sys.modules[module]), *exports})
+
+    return getattr_, dir_
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def step_aside(name: str) -> None:

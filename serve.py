@@ -196,7 +196,7 @@ def _reload(keys: ApiKeys) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["demo"]:
-        from agentkv.experiments.demo import main as demo
+        from agentkv.experiments.benchmarks.demo import main as demo
 
         demo(argv[1:])
     elif argv[:1] == ["cluster"]:

@@ -2,18 +2,18 @@
 owns every sequence on them."""
 from __future__ import annotations
 
+import math
 import zlib
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from agentkv.cache.kv_tier import KVTier
 from agentkv.cache.pool import PagePool
 from agentkv.cache.radix import RadixCache
-from agentkv.engine.chat_turn import ChatResult, ChatTurn, common_prefix_len
 from agentkv.engine.decode_graphs import MAX_BATCH, DecodeGraphs
 from agentkv.engine.errors import InvalidRequestError
 from agentkv.engine.grammar import GrammarCache
@@ -25,7 +25,9 @@ from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequences import Sequences
 from agentkv.engine.session import Session, SessionContext
-from agentkv.engine.stats import TurnStats
+from agentkv.engine.request import Request
+from agentkv.engine.stats import EngineMetrics, TurnStats
+from agentkv.engine.turn import Conversation, Turn, TurnResult
 from agentkv.model.config import ModelConfig
 from agentkv.model.default import default_model_dir
 from agentkv.model.llama import Transformer
@@ -33,7 +35,7 @@ from agentkv.model.loader import load_model, parse_dtype
 from agentkv.model.tokenizer import Tokenizer
 from agentkv.spec.drafters import Drafters
 
-__all__ = ["Engine", "ChatResult", "common_prefix_len"]
+__all__ = ["Engine"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_KV_OFFLOAD_BYTES = 4 << 30
@@ -121,7 +123,7 @@ class Engine:
         # schemas (engine.structured). Off, "auto" decodes unconstrained, as
         # servers that only parse calls do.
         self.constrain_auto = constrain_auto
-        # How a chat turn on a session finds what it holds (engine.chat_turn):
+        # How a chat turn on a session finds what it holds (engine.turn):
         # "native" continues from the tokens the model produced, matched by
         # message; "template-faithful" re-renders the history as a stateless
         # server would and reuses up to the first differing token.
@@ -198,7 +200,7 @@ class Engine:
         """Prefix-cache counters and page usage."""
         stats = self.radix.stats() if self.radix is not None else {}
         with self.lock:
-            pinned = {p for s in self.sequences.all for p in s.table.pages}
+            pinned = self._pinned_pages()
         return {
             **stats,
             "pages_total": self.pool.num_pages,
@@ -210,18 +212,102 @@ class Engine:
                if self.tier is not None else {}),
         }
 
+    def metrics(self) -> EngineMetrics:
+        """The gauges and counters a server exports, read together."""
+        with self.lock:
+            sched, pool = self.scheduler, self.pool
+            pinned = self._pinned_pages()
+            tier = self.tier
+            return EngineMetrics(
+                pages_total=pool.num_pages, pages_free=pool.num_free, pages_used=pool.num_used,
+                page_size=pool.page_size, pages_pinned=len(pinned),
+                prefix_cache_pages=self.radix.stats().get("cached_pages", 0) if self.radix is not None else 0,
+                in_flight=sched.in_flight, running=len(sched.running), waiting=len(sched.waiting),
+                counters=sched.counters, turn_totals=dict(sched.turn_totals),
+                tier=tier.counters if tier is not None else None,
+                tier_host_bytes=tier.host_used if tier is not None else 0,
+                tier_disk_bytes=tier.disk_used if tier is not None else 0,
+            )
+
+    def _pinned_pages(self) -> set[int]:
+        return {p for s in self.sequences.all for p in s.table.pages}
+
+    def kv_pages_held(self, sessions: Iterable[Session]) -> int:
+        """Pages the sessions hold in the pool (each shared page once) plus the
+        pages' worth of tokens the second tier holds for them (each entry once:
+        a fork shares its parent's)."""
+        pages: set[int] = set()
+        keys: set[str] = set()
+        for s in sessions:
+            if not s.closed:
+                pages.update(s.table.held_pages())
+                keys.add(s.key)
+        tier = self.tier
+        offloaded = sum(math.ceil(tier.tokens_held(k) / self.pool.page_size) for k in keys) if tier is not None else 0
+        return len(pages) + offloaded
+
+    # -- serving: a front end runs the scheduler's loop and its saved KV --
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    @property
+    def serving(self) -> bool:
+        """Whether the scheduler's loop runs (what serves every request of a server)."""
+        return self.scheduler.serving
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+        return self.scheduler.in_flight
+
+    def start_serving(self) -> None:
+        """Step in a background thread, so that requests from many callers share each forward."""
+        self.scheduler.start()
+
+    def stop_serving(self) -> None:
+        """Stop the loop; requests still queued or running fail (rolled back)."""
+        self.scheduler.stop()
+
+    @property
+    def kv_reports(self) -> list[str]:
+        """What loading or restoring saved KV found wrong, for operators."""
+        return list(self.tier.reports) if self.tier is not None else []
+
+    def adopt_saved_kv(self, key: str) -> None:
+        """Take up KV another replica saved under key (a shared disk tier)."""
+        if self.tier is not None:
+            self.tier.adopt(key)
+
+    def drop_saved_kv(self, keep: set[str]) -> None:
+        """Remove saved KV that no session or response claims."""
+        tier = self.tier
+        for key in tier.persistent_keys() if tier is not None else []:
+            if key not in keep:
+                tier.drop(key, persistent=True)
+
     def chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
-             max_tokens: int | Callable[[int], int] = 256, **kwargs) -> ChatResult:
+             max_tokens: int | Callable[[int], int] = 256, **kwargs) -> TurnResult:
         """Find what of the conversation the session holds (its message log,
         or the longest common prefix with the rendered conversation; see
-        engine.chat_turn), compute only the rest, and generate the reply.
+        engine.turn), compute only the rest, and generate the reply.
         The session (a temporary one when None) ends holding the prompt and
         the reply; on error it is as before. tool_choice, response_format and
         parallel_tool_calls (OpenAI's shapes) constrain the reply with a
-        grammar (engine.structured); the rest are generate's arguments.
+        grammar (engine.structured); the rest are start_turn's arguments.
         start_chat is the same, returning once the turn is queued."""
         return self.start_chat(messages, tools, session, max_tokens, **kwargs).wait()
 
     def start_chat(self, messages: list[dict], tools: list[dict] | None = None, session: Session | None = None,
-                   max_tokens: int | Callable[[int], int] = 256, **kwargs) -> ChatTurn:
-        return ChatTurn.start(self, messages, tools, session, max_tokens, **kwargs)
+                   max_tokens: int | Callable[[int], int] = 256, **kwargs) -> Turn:
+        return self.start_turn(Conversation(messages, tools), session, max_tokens=max_tokens, **kwargs)
+
+    def start_turn(self, prompt: Conversation | list[int], session: Session | None = None, **kwargs) -> Turn:
+        """One turn of any API (chat messages or token ids; engine.turn): queued
+        now, finished by the returned Turn's finish() once its request is done."""
+        return Turn.start(self, prompt, session, **kwargs)
+
+    def wait(self, request: Request) -> Request:
+        """Until request is done (stepping the scheduler here if no loop runs)."""
+        return self.scheduler.wait(request)

@@ -47,7 +47,7 @@ class Session:
         self._scheduler, self._sequences = context.scheduler, context.sequences
         self._seq = seq
         self._sequences.close_on_collect(self, seq)
-        # Which chat messages the tokens are (engine.chat_turn sets it); any
+        # Which chat messages the tokens are (engine.turn sets it); any
         # other change to the tokens forgets it.
         self.message_log: MessageLog | None = None
 
@@ -98,6 +98,17 @@ class Session:
     def key(self) -> str:
         """Names this session's KV in the second tier (shared by the forks that work its turns)."""
         return self._seq.key
+
+    @property
+    def pages_held(self) -> int:
+        """Pool pages holding its KV (shared ones too)."""
+        return len(self._seq.table.held_pages())
+
+    @property
+    def tier_tokens(self) -> int:
+        """Tokens of its KV the second tier holds (host memory or disk)."""
+        tier = self._context.tier
+        return tier.tokens_held(self.key) if tier is not None else 0
 
     @property
     def pinned(self) -> bool:
@@ -288,6 +299,7 @@ class Session:
         retention policy learns from it). See Engine.chat."""
         child = Session(self._context, self._sequences.fork(self._seq, for_turn=True))
         self._sequences.hand_over_drafter(self._seq, child._seq)
+        child.message_log = self.message_log
         return child
 
     def adopt(self, other: "Session") -> None:

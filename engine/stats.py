@@ -4,6 +4,10 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentkv.cache.kv_tier import TierCounters
 
 
 @dataclass(slots=True)
@@ -78,3 +82,24 @@ class SchedulerCounters:
     batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512)))
     queue_s: Histogram = field(default_factory=lambda: Histogram(
         (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)))
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One reading of the engine's gauges and counters, for a front end to
+    export (Engine.metrics; engine/api/metrics.py names them)."""
+
+    pages_total: int
+    pages_free: int
+    pages_used: int
+    page_size: int  # tokens per page
+    pages_pinned: int  # held by live sessions
+    prefix_cache_pages: int  # held by the prefix cache alone
+    in_flight: int  # requests queued or running
+    running: int
+    waiting: int
+    counters: SchedulerCounters
+    turn_totals: dict[str, float]
+    tier: "TierCounters | None"  # the second KV tier's, if there is one
+    tier_host_bytes: int = 0
+    tier_disk_bytes: int = 0

@@ -51,8 +51,9 @@ def parse_systems(text: str, known: tuple[str, ...]) -> list[str]:
     return systems
 
 
-def run_dir(name: str) -> Path:
-    path = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def run_dir(name: str, out: str | Path | None = None) -> Path:
+    """The run's folder, created: out when given (a benchmark's --out), else runs/NAME-<time>."""
+    path = Path(out) if out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

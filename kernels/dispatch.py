@@ -72,7 +72,7 @@ def _built(extension, warned: list[str], fallback: str) -> bool:
 
 
 # Whether the C++ attention kernels beat the torch path (kernels/reference.py)
-# on an ISA's build, as experiments/bench_cpu_ops measures them (and keeps
+# on an ISA's build, as experiments/benchmarks/bench_cpu_ops measures them (and keeps
 # true: docs/bench_cpu_ops.md); where one does not, the torch path runs
 # attention and the layers run in Python, with the C++ linears and fused ops.
 # Built from 16-lane tiles on AVX2 too, the chunk kernel ran 10-17x slower

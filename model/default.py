@@ -1,5 +1,5 @@
 """The embedded default model: the project's own small agent model, trained by
-experiments/train_agent_model.py on generated tool-calling transcripts and
+experiments/default_model/train.py on generated tool-calling transcripts and
 shipped in Hugging Face layout under models/agent-8m. Nothing is downloaded.
 
 random_init gives deterministic random weights, for benchmarks and tests of

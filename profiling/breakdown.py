@@ -89,7 +89,7 @@ def load_engine(args):
     if args.model:
         path = Path(args.model)
     elif args.shape:
-        from agentkv.experiments.bench_turns import prepare_checkpoint
+        from agentkv.experiments.benchmarks.bench_turns import prepare_checkpoint
 
         path = prepare_checkpoint(args.shape)
     else:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from agentkv.experiments.bench_turns import prepare_requests, workflow
+    from agentkv.experiments.benchmarks.bench_turns import prepare_requests, workflow
 
     base = load_engine(args)
     wf = workflow(args.workflow, args.seed)

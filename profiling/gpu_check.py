@@ -11,7 +11,7 @@
       eager and under CUDA graphs (engine/decode_graphs.py), with the graphs
       captured and the Triton kernel variants compiled by each run;
   (e) the engine end to end: greedy tokens against the CPU path, then
-      experiments.bench_session stateful vs stateless.
+      experiments.benchmarks.bench_session stateful vs stateless.
 
 Every section is guarded so one failure keeps the rest. Writes results.json
 and results.md (plus the pytest log) to --out.
@@ -348,7 +348,7 @@ def run_engine(out: Path) -> dict:
     the CPU torch path on the same fp32 weights, then the 12-turn stateful vs
     stateless benchmark on SmolLM2-135M's shape in bf16."""
     from agentkv import Engine
-    from agentkv.experiments import bench_session
+    from agentkv.experiments.benchmarks import bench_session
     from agentkv.experiments.common import random_model
 
     tokens = {}

@@ -9,7 +9,7 @@
 # Unpack into a model folder that our loader and transformers read:
 #   mkdir -p M && cp OUT_DIR/model*.safetensors M/ && tar xzf OUT_DIR/meta.tar.gz -C M
 #
-#   bash profiling/train_gpu.sh OUT_DIR [extra train_agent_model args]
+#   bash profiling/train_gpu.sh OUT_DIR [extra default_model.train args]
 #
 # Budget (one command of at most 10 minutes on an H200): training MINUTES of
 # wall time counted from its process start (the loop stops itself before
@@ -50,7 +50,7 @@ unset TRITON_INTERPRET AGENTKV_KERNELS
 LIMIT=$("$PY" -c "print(int(float('$MINUTES') * 60 + 30))")
 
 echo "== train: $SHAPE, $MINUTES min on $DEVICE -> $MODEL ($("$PY" --version 2>&1); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-timeout -s INT -k 20 "$LIMIT" "$PY" -m agentkv.experiments.train_agent_model --out "$MODEL" --minutes "$MINUTES" \
+timeout -s INT -k 20 "$LIMIT" "$PY" -m agentkv.experiments.default_model.train --out "$MODEL" --minutes "$MINUTES" \
     --shape "$SHAPE" --device "$DEVICE" --ckpt "$CKPT" "$@"
 rc=$?
 echo "== train exit status $rc"
@@ -60,7 +60,7 @@ if ! ls "$MODEL"/model*.safetensors >/dev/null 2>&1; then
 fi
 
 echo "== eval: sets $EVAL_SETS through the engine (CPU), at most ${EVAL_LIMIT}s of turns"
-timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m agentkv.experiments.eval_agent_model --model "$MODEL" --sets "$EVAL_SETS" \
+timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m agentkv.experiments.default_model.eval --model "$MODEL" --sets "$EVAL_SETS" \
     --no-compare --reply-slack 24 --threads "$EVAL_THREADS" --time-limit "$EVAL_LIMIT" --out "$MODEL/eval.json"
 echo "== eval exit status $?"
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from agentkv import Engine
-from agentkv.experiments import agent_data as D
-from agentkv.experiments import agent_tasks as T
-from agentkv.experiments.agent_data_alt import alt_episodes
-from agentkv.model.default_tokenizer import build_default_tokenizer
+from agentkv.experiments.default_model import data as D
+from agentkv.experiments.default_model import tasks as T
+from agentkv.experiments.default_model.data_alt import alt_episodes
+from agentkv.experiments.default_model.tokenizer import build_default_tokenizer
 from agentkv.model.dense_forward import dense_hidden, dense_logits
 from agentkv.model.loader import load_model
 from agentkv.model.tokenizer import Tokenizer
@@ -148,7 +148,7 @@ def test_segmented_tokenization_equals_whole(tok):
 
 
 def test_eval_script_runs_through_the_engine(trained):
-    from agentkv.experiments.eval_agent_model import SETS, eval_set, evaluate, report
+    from agentkv.experiments.default_model.eval import SETS, eval_set, evaluate, report
 
     tok = Tokenizer.from_dir(trained)
     turns = eval_set(D.Renderer(tok), D.load_split(trained), 2048, 2, SETS, 8)
@@ -221,7 +221,7 @@ def test_alt_generator_shares_no_tool_or_argument_name_with_training():
 def test_eval_turns_are_the_same_in_every_process():
     """The held-out sets are a fixed benchmark: nothing in them may depend on
     the process (set order follows the string hash seed)."""
-    code = ("import hashlib, json; from agentkv.experiments import agent_data as D, eval_agent_model as E; "
+    code = ("import hashlib, json; from agentkv.experiments.default_model import data as D, eval as E; "
             "from agentkv.model.tokenizer import Tokenizer; r = D.Renderer(Tokenizer.from_dir('models/agent-8m')); "
             "ts = E.eval_set(r, D.default_split(), 4096, 4, E.SETS, 256); "
             "print(hashlib.md5(json.dumps([[t.messages, t.tools, t.reply_text] for t in ts]).encode()).hexdigest())")

@@ -4,7 +4,9 @@ never has to be taken back."""
 import pytest
 
 from agentkv.engine.api.replies import ReplyText
-from agentkv.model.default_tokenizer import build_default_tokenizer
+from agentkv.engine.stops import cut_at_stop
+from agentkv.engine.turn import TurnResult, parse_reply
+from agentkv.experiments.default_model.tokenizer import build_default_tokenizer
 from agentkv.model.tokenizer import Tokenizer
 from agentkv.model.tool_calls import TOOL_CALL_FORMATS
 
@@ -18,12 +20,21 @@ def tokenizer(tmp_path_factory):
     return Tokenizer.from_dir(path)
 
 
+def turn_result(tokenizer, ids: list[int], stops, fmt) -> TurnResult:
+    """The finished turn's reply, as engine.turn parses it (the finish reason
+    as the scheduler gives it: a stop string or EOS ends it, else the budget)."""
+    content, calls = parse_reply(tokenizer, ids, list(stops), fmt)
+    stopped = cut_at_stop(tokenizer.decode(ids, skip_special_tokens=True), tuple(stops))[1] or ids[-1] in EOS
+    return TurnResult(content, calls, {}, "tool_calls" if calls else "stop" if stopped else "length", ids)
+
+
 def stream(tokenizer, text: str, stops=(), tool_format=None, step: int = 1):
     """(the deltas, the reply) of `text` pushed `step` tokens at a time."""
     ids = tokenizer.encode(text)
-    reply = ReplyText(tokenizer, tuple(stops), TOOL_CALL_FORMATS[tool_format] if tool_format else None)
+    fmt = TOOL_CALL_FORMATS[tool_format] if tool_format else None
+    reply = ReplyText(tokenizer, tuple(stops), fmt)
     deltas = [reply.push(ids[i : i + step]) for i in range(0, len(ids), step)]
-    rest, whole = reply.finish(ids, EOS)
+    rest, whole = reply.finish(turn_result(tokenizer, ids, stops, fmt))
     return deltas + [rest], whole
 
 
@@ -64,5 +75,5 @@ def test_a_reply_ending_in_eos_is_stopped(tokenizer):
     ids = tokenizer.encode("done") + EOS
     text = ReplyText(tokenizer, (), None)
     shown = text.push(ids)
-    rest, reply = text.finish(ids, EOS)
+    rest, reply = text.finish(turn_result(tokenizer, ids, (), None))
     assert shown + rest == "done" and reply.finish_reason == "stop"

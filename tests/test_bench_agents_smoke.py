@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_agents: two agents, two live turns
+"""Smoke test of experiments.benchmarks.bench_agents: two agents, two live turns
 each, short replies and pauses, against this engine's server in a
 subprocess as both of its systems (vLLM skipped); checks the JSON."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentkv.experiments import bench_agents
+from agentkv.experiments.benchmarks import bench_agents
 
 SYSTEMS = ["agentkv", "agentkv-lru"]
 

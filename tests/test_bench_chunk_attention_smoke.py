@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_chunk_attention on tiny shapes: a row per
+"""Smoke test of experiments.benchmarks.bench_chunk_attention on tiny shapes: a row per
 (dtype, threads, shape) with both paths timed, a prefill row per (dtype,
 threads), and its report (timings are the benchmark's, not this test's)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentkv.experiments import bench_chunk_attention
+from agentkv.experiments.benchmarks import bench_chunk_attention
 from agentkv.kernels import cpu_chunk_attention
 
 pytestmark = pytest.mark.skipif(not cpu_chunk_attention.available(), reason="the chunk kernel did not build")

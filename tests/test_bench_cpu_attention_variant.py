@@ -1,4 +1,4 @@
-"""experiments.bench_cpu_attention --baseline REV builds the decode kernel as
+"""experiments.benchmarks.bench_cpu_attention --baseline REV builds the decode kernel as
 it was at REV beside today's: built from the files of a revision (its source
 and the header it includes), it must be today's kernel bit for bit when the
 revision is today's. (The option had rotted unseen once: nothing ran it.)"""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentkv.experiments import bench_cpu_attention
+from agentkv.experiments.benchmarks import bench_cpu_attention
 from agentkv.kernels import cpu_paged_attention
 from tests.test_kernel_cpu_paged_attention import CASES, build
 

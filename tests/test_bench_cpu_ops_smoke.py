@@ -1,11 +1,11 @@
-"""Smoke test of experiments.bench_cpu_ops at tiny sizes: a row per op for
+"""Smoke test of experiments.benchmarks.bench_cpu_ops at tiny sizes: a row per op for
 each ISA this host runs, the engine's and HF's prefill and decode on the
 embedded model, and the report's files."""
 from __future__ import annotations
 
 import json
 
-from agentkv.experiments import bench_cpu_ops
+from agentkv.experiments.benchmarks import bench_cpu_ops
 from agentkv.kernels import cpu_extension
 
 

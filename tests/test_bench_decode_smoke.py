@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_decode: the tiny shape, our engine only,
+"""Smoke test of experiments.benchmarks.bench_decode: the tiny shape, our engine only,
 two short contexts and a few decode tokens; checks the table, the JSON and
 the plot it writes (speeds are the benchmark's to report, not this test's)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from agentkv.experiments import bench_decode
+from agentkv.experiments.benchmarks import bench_decode
 from agentkv.experiments.drivers import llamacpp, vllm
 
 CONTEXTS = (48, 96)
@@ -33,7 +33,7 @@ def test_writes_json_report_and_plot(result):
     out, res = result
     data = json.loads((out / "results.json").read_text())
     assert data["rows"] == json.loads(json.dumps(res["rows"]))
-    assert "experiments.bench_decode" in data["command"]
+    assert "experiments.benchmarks.bench_decode" in data["command"]
     text = (out / "report.txt").read_text()
     assert "ours ms" in text and "read GB/s" in text
     assert all(f" {c} " in text for c in CONTEXTS)

@@ -1,11 +1,11 @@
-"""Smoke test of experiments.bench_host_step at a short context: it writes
+"""Smoke test of experiments.benchmarks.bench_host_step at a short context: it writes
 its JSON and report with a row per dtype and batch, each step having run
 ops (timings are the benchmark's to report, not this test's to assert)."""
 from __future__ import annotations
 
 import json
 
-from agentkv.experiments import bench_host_step
+from agentkv.experiments.benchmarks import bench_host_step
 from agentkv.kernels import cpu_layers
 
 

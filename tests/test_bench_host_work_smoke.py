@@ -1,11 +1,11 @@
-"""Smoke test of experiments.bench_host_work at two short lengths: it writes
+"""Smoke test of experiments.benchmarks.bench_host_work at two short lengths: it writes
 its JSON and report, and both modes plan the same new tokens (timings are
 the benchmark's to report, not this test's to assert)."""
 from __future__ import annotations
 
 import json
 
-from agentkv.experiments import bench_host_work
+from agentkv.experiments.benchmarks import bench_host_work
 
 
 def test_writes_results_and_both_modes_queue_the_same(tmp_path):

@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_replicas: two agents, two turns each,
+"""Smoke test of experiments.benchmarks.bench_replicas: two agents, two turns each,
 against two replicas with affinity, with a kill mid-way and as Responses API
 conversations without X-Session-Id; checks that every turn was done and what
 the kill row reports."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from agentkv.experiments import bench_replicas
+from agentkv.experiments.benchmarks import bench_replicas
 
 
 def test_affinity_and_a_kill_complete_every_turn(tmp_path):

@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_responses: the tiny shape, the first three
+"""Smoke test of experiments.benchmarks.bench_responses: the tiny shape, the first three
 turns of the 6-turn workflow, a few generated tokens, the two engine sides
 (no vLLM); checks the JSON it writes and that both sides did the same work."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agentkv.experiments import bench_responses
+from agentkv.experiments.benchmarks import bench_responses
 
 SYSTEMS = ["responses", "chat"]
 

@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_turns: the tiny shape, the first two turns
+"""Smoke test of experiments.benchmarks.bench_turns: the tiny shape, the first two turns
 of the 6-turn workflow, a few generated tokens, the engine's three modes and
 HF transformers (no vLLM or llama.cpp); checks the JSON it writes."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from agentkv.experiments import bench_turns  # noqa: E402
+from agentkv.experiments.benchmarks import bench_turns  # noqa: E402
 from agentkv.experiments.drivers import llamacpp, replay, vllm  # noqa: E402
 from agentkv.experiments.drivers.checkpoint import prepare_checkpoint  # noqa: E402
 

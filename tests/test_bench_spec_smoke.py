@@ -1,4 +1,4 @@
-"""Smoke test of experiments.bench_spec on two short turns of the trained
+"""Smoke test of experiments.benchmarks.bench_spec on two short turns of the trained
 agent model: it writes its results, report and plot, every drafter's greedy
 output is the plain one, and speculation takes fewer decode forwards
 (speeds are the benchmark's to report, not this test's to assert)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from agentkv.experiments import bench_spec
+from agentkv.experiments.benchmarks import bench_spec
 
 
 def test_writes_results_and_every_drafter_is_greedy_identical(tmp_path):

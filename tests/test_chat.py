@@ -2,7 +2,7 @@
 import pytest
 
 from agentkv import Engine, InvalidRequestError
-from agentkv.engine.engine import common_prefix_len
+from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.session import Session
 from tests.conftest import assert_all_pages_free
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from agentkv.experiments import demo
+from agentkv.experiments.benchmarks import demo
 
 
 def test_many_agents_default_shape(tmp_path, capsys):

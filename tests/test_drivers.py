@@ -37,7 +37,7 @@ serve(reply, {{
 
 def test_a_peer_is_served_over_json_lines(tmp_path):
     script = tmp_path / "driver.py"
-    script.write_text(STAND_IN_DRIVER.format(peers=str(ROOT / "experiments" / "peers")))
+    script.write_text(STAND_IN_DRIVER.format(peers=str(ROOT / "experiments" / "drivers" / "peers")))
     log = tmp_path / "peers.log"
     peer = PeerSystem("stand-in", [sys.executable, str(script)], dict(os.environ), {"x": 7}, log, timeout=60)
     assert peer.info["ready"] and peer.info["echo"] == 7 and peer.info["startup_s"] > 0

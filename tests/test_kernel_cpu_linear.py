@@ -175,9 +175,9 @@ def test_choose_prefers_the_kernel_and_rejects_unknown_names():
 
 
 def test_bench_runs_and_sums_a_step():
-    """Smoke test of experiments.bench_cpu_linear on agent-8m's shapes."""
+    """Smoke test of experiments.benchmarks.bench_cpu_linear on agent-8m's shapes."""
     needs(torch.float32)
-    from agentkv.experiments import bench_cpu_linear
+    from agentkv.experiments.benchmarks import bench_cpu_linear
 
     res = bench_cpu_linear.main(["--models", "agent-8m", "--rows", "1,3", "--threads", "1", "--dtypes", "float32",
                                  "--repeats", "1", "--stream-mb", "1"])

@@ -59,7 +59,7 @@ def test_no_folder_of_the_checkout_is_a_bare_name(name):
 
 def test_bare_submodule_imports_fail_from_the_root():
     out = run_python("""
-        for name in ("engine.engine", "model.llama", "cache.pool", "spec.ngram", "experiments.workloads"):
+        for name in ("engine.engine", "model.llama", "cache.pool", "spec.ngram", "experiments.workloads.workflows"):
             try:
                 __import__(name)
             except ModuleNotFoundError:
@@ -105,11 +105,11 @@ INSTALLED = """
     root = pathlib.Path(agentkv.__file__).parent
     print(root)
     for sub in ("kernels.dispatch", "model.llama", "cache.pool", "engine.engine", "engine.api", "spec.ngram",
-                "profiling.breakdown", "experiments.bench_agents", "experiments.drivers.servers", "serve"):
+                "profiling.breakdown", "experiments.benchmarks.bench_agents", "experiments.drivers.servers", "serve"):
         assert importlib.util.find_spec("agentkv." + sub) is not None, sub
     for data in ("models/agent-8m/model.safetensors", "models/agent-8m/tokenizer.json", "kernels/cpu_linear.cpp",
-                 "kernels/cpu_attention.h", "experiments/data/workloads.json", "experiments/peers/setup_vllm.sh",
-                 "profiling/gpu_check.sh"):
+                 "kernels/cpu_attention.h", "experiments/workloads/data/workloads.json",
+                 "experiments/drivers/peers/setup_vllm.sh", "profiling/gpu_check.sh"):
         assert (root / data).is_file(), data
 """
 

@@ -1,4 +1,4 @@
-"""Native continuation (engine.chat_turn, engine.message_log) on the
+"""Native continuation (engine.turn, engine.message_log) on the
 embedded default model: a chat turn on a session whose messages begin with
 the logged conversation renders and computes only its new messages and
 continues from the reply as the model sampled it, even where re-tokenizing

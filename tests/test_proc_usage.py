@@ -1,4 +1,4 @@
-"""experiments.proc_usage: the arithmetic of a usage over two snapshots, and
+"""experiments.benchmarks.proc_usage: the arithmetic of a usage over two snapshots, and
 that the /proc readers see this process's own CPU time."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from agentkv.experiments.proc_usage import (TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot, usage, vcpu_ticks,
-                                    wait_quiet)
+from agentkv.experiments.benchmarks.proc_usage import (TICK, ProcTicks, Snapshot, machine_ticks, proc_ticks, snapshot,
+                                                       usage, vcpu_ticks, wait_quiet)
 
 
 def test_usage_splits_the_machine_into_timed_others_and_foreign():

@@ -301,6 +301,8 @@ BAD_REQUESTS = [
     ("empty input", {"input": []}, KEY, 400),
     ("output of no call", {"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "{}"}]}, KEY, 400),
     ("named tool not offered", {"tool_choice": {"type": "function", "name": "rm_rf"}}, KEY, 400),
+    ("tool schema that cannot compile", {"tools": [{**TOOL, "parameters": {"type": "object", "properties": {
+        "city": {"$ref": "#/nowhere"}}}}], "tool_choice": "required"}, KEY, 400),
     ("unknown field", {"frobnicate": True}, KEY, 400),
     ("max_output_tokens as a string", {"max_output_tokens": "4"}, KEY, 400),
     ("huge max_output_tokens", {"max_output_tokens": 10**9}, KEY, 413),

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from agentkv import ChatResult, Engine
+from agentkv import Engine, TurnResult
 from agentkv.engine.api import create_app
 from tests.conftest import assert_all_pages_free, http_server
 
@@ -114,10 +114,11 @@ def test_stream_reassembles_the_non_streamed_reply(server, use_stop):
 
 
 def scripted(engine: Engine, replies: list[str]) -> Callable:
-    """engine.start_chat that runs for real (the session's state, usage, pages
+    """engine.start_turn that runs for real (the session's state, usage, pages
     are the engine's own) but reports the next scripted reply as what the
-    model wrote: the random model never writes a tool call by itself."""
-    real_start = engine.start_chat
+    model wrote, parsed as the turn parses it: the random model never writes
+    a tool call by itself."""
+    real_start = engine.start_turn
     tokenizer = engine.tokenizer
 
     class Turn:
@@ -127,11 +128,15 @@ def scripted(engine: Engine, replies: list[str]) -> Callable:
         def cancel(self) -> None:
             self.turn.cancel()
 
-        def finish(self) -> ChatResult:
+        def finish(self) -> TurnResult:
             result = self.turn.finish()
-            return ChatResult("", [], {**result.usage, "completion_tokens": len(self.ids)}, "stop", self.ids)
+            text = tokenizer.decode(self.ids, skip_special_tokens=True)
+            fmt = self.turn.tool_format
+            content, calls = fmt.parse(text) if fmt is not None else (text, [])
+            return TurnResult(content, calls, {**result.usage, "completion_tokens": len(self.ids)},
+                              "tool_calls" if calls else "stop", self.ids)
 
-    def start_chat(messages, tools=None, session=None, max_tokens=256, on_tokens=None, on_done=None, **sampling):
+    def start_turn(prompt, session=None, on_tokens=None, on_done=None, **kwargs):
         ids = tokenizer.encode(replies.pop(0)) + engine.eos_token_ids[:1]
 
         def done(req) -> None:
@@ -139,9 +144,9 @@ def scripted(engine: Engine, replies: list[str]) -> Callable:
                 on_tokens(ids)
             on_done(req)
 
-        return Turn(real_start(messages, tools, session, max_tokens, on_done=done, **sampling), ids)
+        return Turn(real_start(prompt, session, on_done=done, **kwargs), ids)
 
-    return start_chat
+    return start_turn
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -154,7 +159,7 @@ def test_tool_calling_loop_reuses_the_session(server, monkeypatch):
         "Let me check Paris too.\n" + tool_call_text("get_weather", {"city": "Paris"}),
         "Zürich is sunny, Paris is rainy.",
     ]
-    monkeypatch.setattr(server.engine, "start_chat", scripted(server.engine, replies))
+    monkeypatch.setattr(server.engine, "start_turn", scripted(server.engine, replies))
     client = server.client()
     messages = [{"role": "user", "content": "What's the weather in Zürich and Paris?"}]
     extra = {"extra_body": {"session_id": "tool-loop"}}

@@ -24,7 +24,8 @@ from tokenizers import AddedToken  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
-from agentkv.model.default_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, build_default_tokenizer  # noqa: E402
+from agentkv.experiments.default_model.tokenizer import (  # noqa: E402
+    CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, build_default_tokenizer)
 from agentkv.model.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError  # noqa: E402
 from agentkv.model.tool_calls import detect_tool_call_format, parse_tool_calls  # noqa: E402
 
@@ -555,7 +556,8 @@ def test_strftime_now(tok):
 
 def test_build_is_deterministic(default_dir, tmp_path):
     """A second build, in a fresh process with another hash seed, writes the same bytes."""
-    code = "import sys; from agentkv.model.default_tokenizer import build_default_tokenizer; build_default_tokenizer(sys.argv[1])"
+    code = ("import sys; from agentkv.experiments.default_model.tokenizer import build_default_tokenizer; "
+            "build_default_tokenizer(sys.argv[1])")
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=root, env=env, timeout=60)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.experiments.workloads import (
+from agentkv.experiments.workloads.workflows import (
     COPY_KINDS,
     TASKS,
     Workflow,
@@ -66,7 +66,7 @@ def tool_results(wf: Workflow) -> list[int]:
 
 
 # sha256 of to_json(), recorded before the word lists moved from the module
-# to experiments/data/workloads.json: the generator's output did not change,
+# to experiments/workloads/data/workloads.json: the generator's output did not change,
 # and any later edit of a pool or a draw shows here.
 RECORDED = [
     (lambda: six_turn_workflow(0), "26ecc7406076f298aa9b52384e85e394b705d7909cf0e2f76764cac40058e2d7"),
@@ -92,7 +92,8 @@ def test_bytes_do_not_depend_on_the_hash_seed(tmp_path):
     for hash_seed in ("1", "2"):
         out = tmp_path / f"wf{hash_seed}.json"
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-        cmd = [sys.executable, "-m", "agentkv.experiments.workloads", "--shape", "35", "--seed", "0", "--out", str(out)]
+        cmd = [sys.executable, "-m", "agentkv.experiments.workloads.workflows", "--shape", "35", "--seed", "0",
+               "--out", str(out)]
         printed = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
         assert "35 assistant turns" in printed
         outputs.append(out.read_bytes())

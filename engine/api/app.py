@@ -32,7 +32,7 @@ from agentkv.engine.api.state import ApiState
 from agentkv.engine.api.tenants import ApiKeys
 
 if TYPE_CHECKING:
-    from agentkv import Engine
+    from agentkv.engine import Engine
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -54,12 +54,12 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.scheduler.start()
+        engine.start_serving()
         try:
             yield
         finally:
             await _drain(api, store)
-            engine.scheduler.stop()
+            engine.stop_serving()
             api.sessions.close_all()
             store.close_all()
 
@@ -75,7 +75,7 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
     @app.get("/health")
     def health() -> JSONResponse:
         # The scheduler thread is what serves every request: if it has died, nothing will finish.
-        ready = engine.scheduler.serving
+        ready = engine.serving
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
     @app.get("/v1/models")
@@ -96,16 +96,12 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
 
 def _resume(engine: "Engine", api: ApiState, store: ResponseStore) -> None:
     """Take up saved sessions and responses; saved KV neither claims is removed."""
-    claimed = api.sessions.resume() | store.resume(engine)
-    tier = engine.tier
-    for key in tier.persistent_keys() if tier is not None else []:
-        if key not in claimed:
-            tier.drop(key, persistent=True)
+    engine.drop_saved_kv(api.sessions.resume() | store.resume(engine))
 
 
 async def _drain(api: ApiState, store: ResponseStore) -> None:
     """Wait (bounded) for generations still running, e.g. those of clients
     that went away mid-stream, so that no session is closed under them."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while (api.engine.scheduler.in_flight or api.sessions.busy_count() or store.running) and time.monotonic() < deadline:
+    while (api.engine.in_flight or api.sessions.busy_count() or store.running) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

@@ -35,13 +35,10 @@ from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 
-from agentkv import ChatResult
-from agentkv.engine.chat_turn import ChatTurn
-from agentkv.engine.request import OnDone, OnTokens
-from agentkv.model.tool_calls import tool_choice_error
+from agentkv.engine import Conversation, OnDone, OnTokens, Turn, TurnResult, offered_tools, tool_choice_error
 from agentkv.engine.api.errors import APIError
 from agentkv.engine.api.generation import Generation
-from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.replies import ReplyText, usage_of
 from agentkv.engine.api.schemas import (
     SESSION_ID_PATTERN,
     ChatChoice,
@@ -54,7 +51,6 @@ from agentkv.engine.api.schemas import (
     Delta,
     NamedToolChoice,
     TurnRecord,
-    Usage,
     template_message,
 )
 from agentkv.engine.api.sessions import Lease
@@ -72,7 +68,7 @@ def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
 
 
 def tool_choice(body: ChatCompletionRequest) -> str | dict | None:
-    """The request's tool_choice as Engine.chat takes it."""
+    """The request's tool_choice as the engine's turn takes it."""
     return body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
 
 
@@ -83,7 +79,7 @@ def check_tool_choice(body: ChatCompletionRequest) -> None:
 
 
 def constraints(body: ChatCompletionRequest) -> dict:
-    """The request's tool_choice, response_format and parallel_tool_calls as Engine.chat takes them."""
+    """The request's tool_choice, response_format and parallel_tool_calls as the engine's turn takes them."""
     choice = tool_choice(body)
     response_format = body.response_format.model_dump(by_alias=True, exclude_none=True) if body.response_format else None
     return {"tool_choice": choice, "response_format": response_format,
@@ -107,11 +103,6 @@ class ChunkMeta:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
 
-def usage_of(result: ChatResult) -> Usage:
-    u = result.usage
-    return Usage.of(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
-
-
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
@@ -123,40 +114,39 @@ async def chat_completions(
     api.check_supported(body.unsupported())
     check_tool_choice(body)
     session_id = pick_session_id(body.session_id, x_session_id)
-    use_tools = bool(body.tools) and body.tool_choice != "none"
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if use_tools else None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     messages = [template_message(m) for m in body.messages]
     max_tokens = pick_max_tokens(body)
-    text = ReplyText(api.tokenizer, body.stops(), api.tool_format if use_tools else None)
+    text = ReplyText(api.tokenizer, body.stops(), api.tool_format if offered_tools(tools, tool_choice(body)) else None)
     tenant = tenant_of(request)
-    gen = await Generation.begin(lambda on_tokens, on_done: _Turn.begin(
+    gen = await Generation.begin(lambda on_tokens, on_done: _ChatTurn.begin(
         api, tenant, session_id, body, messages, tools, max_tokens, on_tokens, on_done))
     meta = ChunkMeta(body.model)
     if not body.stream:
-        return _completion(meta, text, await gen.result_unless_gone(request), api.stop_ids)
+        return _completion(meta, text, await gen.result_unless_gone(request))
     await gen.started()
-    return event_stream(_events(gen, text, meta, body.include_usage(), api.stop_ids), gen.abandon)
+    return event_stream(_events(gen, text, meta, body.include_usage()), gen.abandon)
 
 
-class _Turn:
+class _ChatTurn:
     """A chat turn begun on the engine; the lease ends when it is finished."""
 
-    def __init__(self, api: ApiState, lease: Lease | None, turn: ChatTurn, start: float):
+    def __init__(self, api: ApiState, lease: Lease | None, turn: Turn, start: float):
         self.api, self.lease, self.turn, self.start = api, lease, turn, start
 
     @classmethod
     def begin(
         cls, api: ApiState, tenant: Tenant, session_id: str | None, body: ChatCompletionRequest,
         messages: list[dict], tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
-    ) -> "_Turn":
+    ) -> "_ChatTurn":
         start = time.perf_counter()
         api.check_kv_quota(tenant)
         lease = api.sessions.lease(tenant, session_id, create=True, cache_salt=body.cache_salt) if session_id else None
         try:
             # The budget depends on the prompt's length, which only the turn
             # knows without rendering the history again.
-            turn = api.engine.start_chat(
-                messages, tools, session=lease.session if lease else None,
+            turn = api.engine.start_turn(
+                Conversation(messages, tools), lease.session if lease else None,
                 max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested),
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
                 ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
@@ -171,7 +161,7 @@ class _Turn:
     def cancel(self) -> None:
         self.turn.cancel()
 
-    def finish(self) -> ChatResult:
+    def finish(self) -> TurnResult:
         try:
             result = self.turn.finish()
             latency = time.perf_counter() - self.start
@@ -186,9 +176,9 @@ class _Turn:
                 self.lease.release()
 
 
-def _completion(meta: ChunkMeta, text: ReplyText, result: ChatResult, stop_ids: list[int]) -> ChatCompletion:
+def _completion(meta: ChunkMeta, text: ReplyText, result: TurnResult) -> ChatCompletion:
     text.push(result.token_ids)
-    _, reply = text.finish(result.token_ids, stop_ids)
+    _, reply = text.finish(result)
     message = ChatMessage(content=reply.content, tool_calls=reply.tool_calls or None)
     return ChatCompletion(
         id=meta.id, created=meta.created, model=meta.model,
@@ -197,7 +187,7 @@ def _completion(meta: ChunkMeta, text: ReplyText, result: ChatResult, stop_ids: 
 
 
 async def _events(
-    gen: Generation[ChatResult], text: ReplyText, meta: ChunkMeta, include_usage: bool, stop_ids: list[int]
+    gen: Generation[TurnResult], text: ReplyText, meta: ChunkMeta, include_usage: bool
 ) -> AsyncIterator[str]:
     yield event(meta.chunk(Delta(role="assistant", content="")))
     async for ids in gen.tokens():
@@ -209,7 +199,7 @@ async def _events(
         yield error_event(e)
         yield DONE
         return
-    rest, reply = text.finish(result.token_ids, stop_ids)
+    rest, reply = text.finish(result)
     if rest:
         yield event(meta.chunk(Delta(content=rest)))
     if reply.tool_calls:

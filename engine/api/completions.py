@@ -9,31 +9,20 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from agentkv.engine import OnDone, OnTokens, Turn, TurnResult
 from agentkv.engine.api.errors import APIError
 from agentkv.engine.api.generation import Generation
-from agentkv.engine.api.replies import ReplyText
+from agentkv.engine.api.replies import ReplyText, usage_of
 from agentkv.engine.api.schemas import Completion, CompletionChoice, CompletionRequest, Usage
 from agentkv.engine.api.sse import DONE, error_event, event, event_stream
 from agentkv.engine.api.state import ApiState
 from agentkv.engine.api.tenants import Tenant, tenant_of
-from agentkv.engine.request import OnDone, OnTokens, Request as EngineRequest
 
 router = APIRouter()
-
-
-@dataclass(frozen=True)
-class Generated:
-    prompt_tokens: int
-    cached_tokens: int
-    ids: list[int]
-
-    def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, len(self.ids), self.cached_tokens)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -51,9 +40,9 @@ async def completions(body: CompletionRequest, request: Request):
 
     if not body.stream:
         out = await gen.result_unless_gone(request)
-        text.push(out.ids)
-        _, reply = text.finish(out.ids, api.stop_ids)
-        return completion(CompletionChoice(text=reply.content, finish_reason=reply.finish_reason), out.usage())
+        text.push(out.token_ids)
+        _, reply = text.finish(out)
+        return completion(CompletionChoice(text=reply.content, finish_reason=reply.finish_reason), usage_of(out))
     await gen.started()
 
     async def events() -> AsyncIterator[str]:
@@ -66,20 +55,20 @@ async def completions(body: CompletionRequest, request: Request):
             yield error_event(e)
             yield DONE
             return
-        rest, reply = text.finish(out.ids, api.stop_ids)
+        rest, reply = text.finish(out)
         yield event(completion(CompletionChoice(text=rest, finish_reason=reply.finish_reason)))
         if body.include_usage():
-            yield event(completion(None, out.usage()))
+            yield event(completion(None, usage_of(out)))
         yield DONE
 
     return event_stream(events(), gen.abandon)
 
 
 class _Completion:
-    """A completion on a temporary session of its own, closed when it is finished."""
+    """A completion: one turn on a temporary session of its own."""
 
-    def __init__(self, api: ApiState, prompt_len: int, session, req: EngineRequest, start: float):
-        self.api, self.prompt_len, self.session, self.req, self.start = api, prompt_len, session, req, start
+    def __init__(self, api: ApiState, turn: Turn, start: float):
+        self.api, self.turn, self.start = api, turn, start
 
     @classmethod
     def begin(cls, api: ApiState, tenant: Tenant, body: CompletionRequest, on_tokens: OnTokens,
@@ -89,25 +78,18 @@ class _Completion:
         prompt = api.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        max_tokens = api.max_tokens(len(prompt), body.max_tokens)
-        session = api.engine.session(tenant.namespace(body.cache_salt))
-        try:
-            session.queue(prompt)
-            req = session.start_generate(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                stop=body.stops(), ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
-            )
-        except BaseException:
-            session.close()
-            raise
-        return cls(api, len(prompt), session, req, start)
+        turn = api.engine.start_turn(
+            prompt, max_tokens=lambda prompt_len: api.max_tokens(prompt_len, body.max_tokens),
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
+            ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
+            namespace=tenant.namespace(body.cache_salt),
+        )
+        return cls(api, turn, start)
 
     def cancel(self) -> None:
-        self.req.cancel()
+        self.turn.cancel()
 
-    def finish(self) -> Generated:
-        self.session.close()
-        if self.req.error is not None:
-            raise self.req.error
+    def finish(self) -> TurnResult:
+        result = self.turn.finish()
         self.api.metrics.observe_turn(time.perf_counter() - self.start)
-        return Generated(self.prompt_len, self.req.turn.reused_tokens, self.req.output)
+        return result

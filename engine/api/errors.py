@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from agentkv.engine.errors import (
+from agentkv.engine import (
     ContextLengthError,
     EngineError,
     InvalidRequestError,
@@ -27,9 +27,9 @@ from agentkv.engine.errors import (
     RequestCancelledError,
     SessionBusyError,
     SessionClosedError,
+    TokenizerError,
     TooManySessionsError,
 )
-from agentkv.model.tokenizer import TokenizerError
 
 log = logging.getLogger("agentkv.api")
 

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable, Generic, Protocol, TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 
-from agentkv.engine.request import OnDone, OnTokens
+from agentkv.engine import OnDone, OnTokens
 
 T = TypeVar("T", covariant=True)
 log = logging.getLogger("agentkv.api")

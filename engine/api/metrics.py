@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from agentkv.engine.stats import Histogram
+from agentkv.engine import EngineMetrics, Histogram
 
 if TYPE_CHECKING:
-    from agentkv import Engine
+    from agentkv.engine import Engine
     from agentkv.engine.api.sessions import SessionRegistry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,38 +54,35 @@ class Metrics:
             self._latency.observe(seconds)
 
     def render(self) -> str:
-        pool = self.engine.pool
-        sched = self.engine.scheduler
-        totals = dict(sched.turn_totals)
+        e = self.engine.metrics()
+        totals = e.turn_totals
         with self._lock:
             out = _family("agentkv_requests_total", "counter", "HTTP requests by endpoint and status.")
-            out += [f'agentkv_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self._requests.items())]
+            out += [f'agentkv_requests_total{{endpoint="{k}",status="{s}"}} {n}' for (k, s), n in sorted(self._requests.items())]
             for field, (name, help_text) in TOKEN_COUNTERS.items():
                 out += _family(name, "counter", help_text) + [f"{name} {int(totals.get(field, 0))}"]
-            out += _gauge("agentkv_kv_pages_free", "KV cache pages free.", pool.num_free)
-            out += _gauge("agentkv_kv_pages_used", "KV cache pages referenced.", pool.num_used)
-            out += _gauge("agentkv_kv_pages_total", "KV cache pages in the pool.", pool.num_pages)
-            cache = self.engine.cache_stats()
-            out += _gauge("agentkv_kv_pages_pinned", "KV cache pages held by sessions.", cache["pages_pinned"])
-            out += _gauge("agentkv_prefix_cache_pages", "KV cache pages held by the prefix cache.", cache.get("cached_pages", 0))
-            out += _gauge("agentkv_active_requests", "Requests queued or running.", sched.in_flight)
+            out += _gauge("agentkv_kv_pages_free", "KV cache pages free.", e.pages_free)
+            out += _gauge("agentkv_kv_pages_used", "KV cache pages referenced.", e.pages_used)
+            out += _gauge("agentkv_kv_pages_total", "KV cache pages in the pool.", e.pages_total)
+            out += _gauge("agentkv_kv_pages_pinned", "KV cache pages held by sessions.", e.pages_pinned)
+            out += _gauge("agentkv_prefix_cache_pages", "KV cache pages held by the prefix cache.", e.prefix_cache_pages)
+            out += _gauge("agentkv_active_requests", "Requests queued or running.", e.in_flight)
             out += _gauge("agentkv_sessions", "Named sessions held by the server.", len(self.sessions))
             out += _gauge("agentkv_busy_sessions", "Named sessions with a request in flight.", self.sessions.busy_count())
             out += _histogram("agentkv_turn_latency_seconds", "Wall-clock latency of a generation request (one turn).",
                               "", self._latency)
-        out += self._scheduler_lines(totals)
+        out += self._scheduler_lines(e)
         return "\n".join(out) + "\n"
 
-    def _scheduler_lines(self, totals: dict[str, float]) -> list[str]:
-        sched, pool, m = self.engine.scheduler, self.engine.pool, self.model_label
-        c = sched.counters
-        out = _labelled("vllm:num_requests_running", "gauge", "Requests in model execution batches.", m, len(sched.running))
-        out += _labelled("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", m, len(sched.waiting))
+    def _scheduler_lines(self, e: EngineMetrics) -> list[str]:
+        m, c, totals = self.model_label, e.counters, e.turn_totals
+        out = _labelled("vllm:num_requests_running", "gauge", "Requests in model execution batches.", m, e.running)
+        out += _labelled("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.", m, e.waiting)
         out += _labelled("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", m,
-                         pool.num_used / pool.num_pages)
+                         e.pages_used / e.pages_total)
         # Read by the inference gateway's prefix-cache scorer (llm-d) for the KV block size.
         out += _labelled("vllm:cache_config_info", "gauge", "Information of the KV cache config.",
-                         m[:-1] + f',block_size="{pool.page_size}",num_gpu_blocks="{pool.num_pages}"}}', 1)
+                         m[:-1] + f',block_size="{e.page_size}",num_gpu_blocks="{e.pages_total}"}}', 1)
         out += _labelled("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", m, c.preemptions)
         out += _labelled("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens.", m,
                          c.prefix_queries)
@@ -105,13 +102,12 @@ class Metrics:
         out += _labelled("agentkv_requests_failed_total", "counter", "Engine requests that failed (rolled back).", "", c.failed)
         out += _labelled("agentkv_step_seconds_total", "counter", "Wall time of steps that ran work.", "", c.step_s)
         out += _labelled("agentkv_forward_seconds_total", "counter", "Of that, time in the model's forward.", "", c.forward_s)
-        return out + self._tier_lines()
+        return out + self._tier_lines(e)
 
-    def _tier_lines(self) -> list[str]:
-        tier = self.engine.tier
-        if tier is None:
+    def _tier_lines(self, e: EngineMetrics) -> list[str]:
+        c = e.tier
+        if c is None:
             return []
-        c = tier.counters
         out = []
         for name, value, help_text in (
             ("agentkv_kv_offloads_total", c.offloads, "Sequences whose KV moved to the second tier."),
@@ -127,8 +123,8 @@ class Metrics:
             ("agentkv_kv_tier_corrupt_total", c.corrupt, "Second-tier entries that failed verification."),
         ):
             out += _labelled(name, "counter", help_text, "", value)
-        out += _gauge("agentkv_kv_tier_host_bytes", "Bytes of KV held in host memory.", tier.host_used)
-        out += _gauge("agentkv_kv_tier_disk_bytes", "Bytes of KV held on disk.", tier.disk_used)
+        out += _gauge("agentkv_kv_tier_host_bytes", "Bytes of KV held in host memory.", e.tier_host_bytes)
+        out += _gauge("agentkv_kv_tier_disk_bytes", "Bytes of KV held on disk.", e.tier_disk_bytes)
         return out
 
 

@@ -12,14 +12,9 @@ concurrency, when its requests finish (Retry-After says so).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
 
 from agentkv.engine.api.errors import APIError
-
-if TYPE_CHECKING:
-    from agentkv import Engine, Session
 
 # When neither the model's generation config nor --default-max-tokens says:
 # a budget that ends a runaway generation without cutting real replies.
@@ -52,18 +47,3 @@ def check_held(what: str, held: int, limit: int | None, advice: str) -> None:
     """429 if one more would exceed the quota."""
     if limit is not None and held >= limit:
         raise refuse(what, held, limit, advice)
-
-
-def kv_pages_held(engine: "Engine", sessions: Iterable["Session"]) -> int:
-    """Pages the sessions hold in the pool (each shared page once) plus the
-    pages' worth of tokens the second tier holds for them (each entry once:
-    a fork shares its parent's)."""
-    pages: set[int] = set()
-    keys: set[str] = set()
-    for s in sessions:
-        if not s.closed:
-            pages.update(s.table.held_pages())
-            keys.add(s.key)
-    tier = engine.tier
-    offloaded = sum(math.ceil(tier.tokens_held(k) / engine.pool.page_size) for k in keys) if tier is not None else 0
-    return len(pages) + offloaded

@@ -1,7 +1,8 @@
-"""From a reply's token ids to what the client sees: text cut before the first
-stop string (OpenAI never returns the stop sequence; the engine keeps the
-token that completed it in the session), tool calls split out of the text,
-and the finish reason.
+"""From a reply's token ids to what the client sees, as they arrive: the
+turn (engine.turn) cuts the whole reply before its first stop string (OpenAI
+never returns the stop sequence; the engine keeps the token that completed
+it in the session) and parses its tool calls once; this shows the text as
+it streams, consistent with that.
 
 Streaming shows the same text as it arrives. What it has shown must never be
 taken back, so it holds back any tail that could still grow into a stop
@@ -17,10 +18,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from agentkv.engine.api.schemas import ResponseFunctionCall, ResponseToolCall
-from agentkv.engine.stops import cut_at_stop, first_stop
-from agentkv.model.tokenizer import IncrementalDecoder, Tokenizer
-from agentkv.model.tool_calls import ToolCallFormat
+from agentkv.engine import IncrementalDecoder, Tokenizer, ToolCallFormat, TurnResult, first_stop
+from agentkv.engine.api.schemas import ResponseFunctionCall, ResponseToolCall, Usage
 
 _FIRST_CHAR = re.compile(r"\s*(\S?)")
 
@@ -42,10 +41,15 @@ def to_openai_calls(calls: list[dict]) -> list[ResponseToolCall]:
     ]
 
 
-def finish_reason(ids: list[int], stop_ids: list[int], stopped_by_string: bool, has_calls: bool) -> str:
-    if has_calls:
-        return "tool_calls"
-    return "stop" if stopped_by_string or (ids and ids[-1] in stop_ids) else "length"
+def reply_of(result: TurnResult) -> Reply:
+    """The turn's reply as OpenAI's APIs give it (no content beside tool calls is null)."""
+    calls = result.tool_calls
+    return Reply(result.text if result.text or not calls else None, to_openai_calls(calls), result.finish_reason)
+
+
+def usage_of(result: TurnResult) -> Usage:
+    u = result.usage
+    return Usage.of(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
 
 
 class ReplyText:
@@ -67,19 +71,18 @@ class ReplyText:
         self._text += "".join(self._decoder.push(i) for i in ids)
         return self._advance(final=False)
 
-    def finish(self, ids: list[int], stop_ids: list[int]) -> tuple[str, Reply]:
-        """Once every token is pushed: the rest of the text to show, and the whole reply."""
+    def finish(self, result: TurnResult) -> tuple[str, Reply]:
+        """Once every token is pushed: the rest of the text to show, and the
+        whole reply as the turn parsed it."""
         self._text += self._decoder.flush()
-        text, stopped = cut_at_stop(self._text, self._stops)
-        content, calls = self._tool_format.parse(text) if self._tool_format else (text, [])
+        content, calls = result.text, result.tool_calls
         # Held back for fear of a call: now shown if there was none.
         rest = "" if calls else self._advance(final=True)
         # What the tool-call parser keeps after the calls was never shown.
         shown = self._text[: self._shown]
         if content.startswith(shown):
             rest += content[len(shown) :]
-        reason = finish_reason(ids, stop_ids, stopped, bool(calls))
-        return rest, Reply(content if content or not calls else None, to_openai_calls(calls), reason)
+        return rest, reply_of(result)
 
     def _advance(self, final: bool) -> str:
         if self._ended:

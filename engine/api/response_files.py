@@ -4,8 +4,9 @@ previous_response_id made before a restart still continues after it.
 One record per stored response under <state>/responses
 (engine.api.json_files): the response, its tenant and KV namespace, its input items, the
 whole conversation up to its reply (so a record stands alone: an expired
-predecessor takes nothing with it), the text its session's tokens spell,
-and the session's tokens and tier key. Written once the session's KV was
+predecessor takes nothing with it), the session's tokens, tier key and
+message log (so that a continuation after a restart is still native; a
+record without one, as earlier servers wrote them, continues by prefix). Written once the session's KV was
 written through to the disk tier.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentkv.engine import MessageLog
 from agentkv.engine.api.json_files import JsonFiles
 from agentkv.engine.api.session_files import check_tokens
 
@@ -27,10 +29,10 @@ class SavedResponse:
     namespace: str
     input_items: list[dict]
     conversation: list[dict]
-    held_text: str
     key: str
     tokens: list[int]
     order: int  # least recently used first on reload
+    log: MessageLog | None = None  # which chat messages the tokens are (engine.message_log)
 
 
 def _name(response_id: str) -> str:
@@ -50,8 +52,8 @@ class ResponseFiles:
     def save(self, s: SavedResponse) -> None:
         self.files.write(_name(s.response["id"]), {
             "response": s.response, "tenant": s.tenant, "namespace": s.namespace, "input_items": s.input_items,
-            "conversation": s.conversation, "held_text": s.held_text, "key": s.key, "tokens": s.tokens,
-            "order": s.order})
+            "conversation": s.conversation, "key": s.key, "tokens": s.tokens, "order": s.order,
+            "log": s.log.to_json() if s.log is not None else None})
 
     def delete(self, response_id: str) -> None:
         self.files.delete(_name(response_id))
@@ -72,5 +74,6 @@ class ResponseFiles:
 
 def _parse(b: dict, vocab_size: int) -> SavedResponse:
     _name(b["response"]["id"])
+    log = MessageLog.from_json(b["log"]) if b.get("log") is not None else None
     return SavedResponse(b["response"], str(b["tenant"]), str(b["namespace"]), list(b["input_items"]), list(b["conversation"]),
-                         str(b["held_text"]), str(b["key"]), check_tokens(b["tokens"], vocab_size), int(b["order"]))
+                         str(b["key"]), check_tokens(b["tokens"], vocab_size), int(b["order"]), log)

@@ -37,43 +37,12 @@ from agentkv.engine.api.errors import not_found
 from agentkv.engine.api.quotas import check_held
 from agentkv.engine.api.response_files import ResponseFiles, SavedResponse
 from agentkv.engine.api.responses_schemas import Response
-from agentkv.engine.errors import EngineError
+from agentkv.engine import EngineError
 
 if TYPE_CHECKING:
-    from agentkv import Engine, Session
+    from agentkv.engine import Engine, Session
 
 log = logging.getLogger("agentkv.responses")
-
-
-@dataclass(frozen=True)
-class HeldText:
-    """The text a stored response's session spells: the pieces its turns added,
-    each turn's piece linked to the one before, so that a conversation of n
-    turns keeps its text once rather than n times."""
-
-    parent: "HeldText | None"
-    piece: str
-    end: int = field(init=False)  # the length of the whole text
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "end", (self.parent.end if self.parent else 0) + len(self.piece))
-
-    def text(self) -> str:
-        pieces, node = [], self
-        while node is not None:
-            pieces.append(node.piece)
-            node = node.parent
-        return "".join(reversed(pieces))
-
-    def is_prefix_of(self, text: str) -> bool:
-        if len(text) < self.end:
-            return False
-        node: HeldText | None = self
-        while node is not None:
-            if not text.startswith(node.piece, node.end - len(node.piece)):
-                return False
-            node = node.parent
-        return True
 
 
 @dataclass(eq=False)
@@ -83,7 +52,6 @@ class StoredResponse:
     input_items: list[dict]  # this request's items, with ids
     messages: list[dict]  # this turn's chat messages: its input's, then the reply
     previous: "StoredResponse | None"
-    held: HeldText  # what the session's tokens spell
     session: "Session"
     lock: threading.Lock = field(default_factory=threading.Lock)
     deleted: bool = False
@@ -146,7 +114,7 @@ class ResponseStore:
         """Take up the responses an earlier server saved; the tier keys they claim."""
         if self.files is None:
             return set()
-        saved = self.files.load(engine.model.cfg.vocab_size)
+        saved = self.files.load(engine.vocab_size)
         self._order = itertools.count(saved[-1].order + 1 if saved else 0)  # what is saved next is newer
         for s in saved[-self.max_responses:]:
             self._hold(engine, s)
@@ -157,8 +125,9 @@ class ResponseStore:
 
     def _hold(self, engine: "Engine", s: SavedResponse) -> None:
         session = engine.session(s.namespace, tokens=s.tokens, key=s.key)
+        session.message_log = s.log
         entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
-                               None, HeldText(None, s.held_text), session)
+                               None, session)
         with self._lock:
             if entry.id in self._entries:  # taken up meanwhile
                 extra = entry
@@ -184,11 +153,10 @@ class ResponseStore:
                 if entry is not None:
                     entry.close()
             return
-        saved = self.files.load_one(response_id, engine.model.cfg.vocab_size)
+        saved = self.files.load_one(response_id, engine.vocab_size)
         if saved is None:
             return
-        if engine.tier is not None:
-            engine.tier.adopt(saved.key)
+        engine.adopt_saved_kv(saved.key)
         self._hold(engine, saved)
         with self._lock:
             expired = [self._expire_one(max(self._held, key=self._held.__getitem__))
@@ -204,7 +172,7 @@ class ResponseStore:
             s.save()
             self.files.save(SavedResponse(entry.response.model_dump(mode="json"), entry.tenant, s.namespace,
                                           entry.input_items,
-                                          entry.conversation(), entry.held.text(), s.key, s.tokens, next(self._order)))
+                                          entry.conversation(), s.key, s.tokens, next(self._order), s.message_log))
         except (EngineError, OSError) as e:  # it serves on; only its saved copy is missing
             log.warning("response %s was not saved: %s", entry.id, e)
 

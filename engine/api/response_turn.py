@@ -1,27 +1,19 @@
-"""One Responses API turn on the engine: the request's items as chat
-messages, what to append to which session, the generation, and the response
-built and stored.
+"""One Responses API turn: the request's items as chat messages, the
+engine's turn (engine.turn, as chat completions run it) on the previous
+response's session, and the response built and stored.
 
 The items become chat messages after the conversation so far (the previous
 responses' input and replies), as chat completions would be sent them: user
 and system messages as they are (developer as system), each function_call
 joined to the assistant message just before it in the same input (or a
 message of its own), each function_call_output a tool message, a reply (its
-text and its calls) one assistant message. The whole conversation is
-rendered with the chat template. The previous response's session already
-holds the KV of a prefix of that text: the text its tokens spell (its prompt,
-then the reply as generated, ending at EOS, say `<|im_end|>`, where the
-template also writes a newline). Only the rest, the new turn's text, is
-tokenized and appended to a fork of that session; the history is neither
-re-tokenized nor recomputed.
-
-The rest is cut off the rendered text only where tokenizing it alone gives
-the tokens tokenizing the whole would: at an added token (`<|im_end|>`,
-`<|im_start|>`, ...), which the tokenizer splits on before anything else.
-When the session's text is not a prefix of the rendering (other
-instructions or tools, a reply the template writes differently, a cut inside
-a character), the turn starts from a new session with the whole rendering,
-and the prefix cache finds what it can: slower, never wrong.
+text and its calls) one assistant message; the instructions, a system
+message first. The engine's turn runs on a fork of the previous response's
+session (a new session without one): its message log continues the
+conversation natively, the new items alone rendered and computed; where it
+does not match (other instructions or tools), the rendering's longest
+common prefix with the session is reused. Truncation "auto" drops the
+oldest messages until the prompt fits.
 
 The turn is begun and finished off the event loop (ResponseTurn), on a fork
 or a new session, so an error or a cancellation changes nothing stored.
@@ -33,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-from agentkv.cache.tokens import common_prefix_len
+from agentkv.engine import Conversation, OnDone, OnTokens, Turn, TurnResult
 from agentkv.engine.api.errors import APIError
-from agentkv.engine.api.replies import ReplyText
-from agentkv.engine.api.response_store import HeldText, ResponseStore, StoredResponse
+from agentkv.engine.api.replies import Reply, reply_of
+from agentkv.engine.api.response_store import ResponseStore, StoredResponse
 from agentkv.engine.api.responses_schemas import (
     FunctionCallItem,
     IncompleteDetails,
@@ -65,17 +57,9 @@ from agentkv.engine.api.schemas import (
     UserMessage,
     template_message,
 )
-from agentkv.engine.request import OnDone, OnTokens
-from agentkv.engine.structured import request_grammar
 
 if TYPE_CHECKING:
-    from agentkv import Engine, Session
-    from agentkv.engine.request import Request as EngineRequest
-    from agentkv.engine.api.replies import Reply
     from agentkv.engine.api.state import ApiState
-    from agentkv.engine.grammar import Grammar
-    from agentkv.engine.stats import TurnStats
-    from agentkv.model.tokenizer import Tokenizer
 
 
 _ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
@@ -136,74 +120,7 @@ def listed(items: list[Item]) -> list[dict]:
 
 
 @dataclass(frozen=True)
-class Plan:
-    base: StoredResponse | None  # whose session to fork; None: a new session
-    held: HeldText | None  # what that session's tokens spell
-    delta_text: str
-    delta_ids: list[int]
-    messages: list[dict]  # the request's items as chat messages
-
-    @property
-    def prompt_len(self) -> int:
-        return (len(self.base.session) if self.base else 0) + len(self.delta_ids)
-
-
-def plan(
-    tokenizer: "Tokenizer", previous: StoredResponse | None, items: list[Item], instructions: str | None,
-    tools: list[dict] | None, max_prompt: int | None = None,
-) -> Plan:
-    """What a turn appends (its items, rendered after the conversation so far) and to which session.
-    With max_prompt (truncation "auto"), a longer prompt drops the conversation's oldest messages
-    until it fits, and starts a new session; if even the newest alone does not, it is left whole
-    (for the budget check to refuse)."""
-    history = previous.conversation() if previous else []
-    messages = to_messages(items, call_ids(history))
-    system = [system_message(instructions)] if instructions else []
-    text = tokenizer.apply_chat_template(system + history + messages, tools=tools, tokenize=False)
-    base = previous if previous is not None and _continues(tokenizer, previous.held, text) else None
-    held = base.held if base else None
-    delta = text[held.end :] if held else text
-    whole = Plan(base, held, delta, tokenizer.encode(delta), messages)
-    if max_prompt is None or whole.prompt_len <= max_prompt:
-        return whole
-    conversation = history + messages
-    for start in range(1, len(conversation)):
-        text = tokenizer.apply_chat_template(system + conversation[start:], tools=tools, tokenize=False)
-        ids = tokenizer.encode(text)
-        if len(ids) <= max_prompt:
-            return Plan(None, None, text, ids, messages)
-    return whole
-
-
-def _continues(tokenizer: "Tokenizer", held: HeldText, text: str) -> bool:
-    if not held.is_prefix_of(text):
-        return False
-    rest = text[held.end :]
-    return any(held.piece.endswith(a) or rest.startswith(a) for a in tokenizer.added_tokens.values())
-
-
-def retokenize_reply(tokenizer: "Tokenizer", session: "Session", prompt_len: int) -> None:
-    """Hold the reply as the rendered conversation tokenizes it. The model may
-    spell its text in tokens the tokenizer would not choose (a grammar that
-    masks token by token often makes it): kept, the next turn's prompt would
-    differ from the whole conversation's. From the first such token on, the
-    tail is replaced by the tokenizer's (made pending: the next turn computes
-    it with its own tokens, as chat completions recompute from a difference).
-    The tail starts after the last added token before the reply, where the
-    tokenizer splits anyway."""
-    tokens, added = session.tokens, tokenizer.added_tokens
-    start = next((i + 1 for i in range(prompt_len - 1, -1, -1) if tokens[i] in added), 0)
-    drawn = tokens[start:]
-    canonical = tokenizer.encode(tokenizer.decode(drawn))
-    if canonical != drawn:
-        same = common_prefix_len(drawn, canonical)
-        session.truncate(start + same)
-        if canonical[same:]:
-            session.queue(canonical[same:])
-
-
-@dataclass(frozen=True)
-class TurnRequest:
+class ResponseInput:
     body: ResponsesRequest
     items: list[Item]
     tenant: str
@@ -214,8 +131,8 @@ class TurnRequest:
 
     @property
     def tools(self) -> list[dict] | None:
-        """The tools as the chat template reads them; none with tool_choice "none"."""
-        if not self.body.tools or self.body.tool_choice == "none":
+        """The tools as the chat template reads them."""
+        if not self.body.tools:
             return None
         return [
             Tool(type="function", function=FunctionDefinition(
@@ -224,13 +141,10 @@ class TurnRequest:
             for t in self.body.tools
         ]
 
-    def grammar(self, engine: "Engine") -> "Grammar | None":
-        """What the reply may be, as chat completions constrain it: calls the model opens are
-        well formed, tool_choice "required" or a named function is enforced, and text.format
-        holds the reply as response_format does."""
-        body = self.body
-        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunctionChoice) else body.tool_choice
-        return request_grammar(engine, self.tools, choice, body.response_format(), body.parallel_tool_calls is not False)
+    @property
+    def tool_choice(self) -> str | dict | None:
+        choice = self.body.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedFunctionChoice) else choice
 
 
 def shell(body: ResponsesRequest, response_id: str) -> Response:
@@ -247,83 +161,74 @@ def shell(body: ResponsesRequest, response_id: str) -> Response:
 
 
 @dataclass(frozen=True)
-class Turn:
+class Finished:
     response: Response
-    token_ids: list[int]
+    result: TurnResult  # the engine's
 
 
 class ResponseTurn:
-    """The engine work of one response, begun and finished off the event
+    """The engine's turn for one response, begun and finished off the event
     loop: the response is stored (store=true) when it is finished, so a
     client that has gone away leaves nothing unaccounted for. On error or
     cancellation nothing is changed."""
 
-    def __init__(self, api: "ApiState", store: ResponseStore, turn: TurnRequest, p: Plan, session: "Session",
-                 req: "EngineRequest", start: float):
-        self.api, self.store, self.turn, self.plan, self.session, self.req = api, store, turn, p, session, req
+    def __init__(self, api: "ApiState", store: ResponseStore, turn: ResponseInput, messages: list[dict],
+                 engine_turn: "Turn", start: float):
+        self.api, self.store, self.turn, self.messages, self.engine_turn = api, store, turn, messages, engine_turn
         self.start = start
 
     @classmethod
-    def begin(cls, api: "ApiState", store: ResponseStore, turn: TurnRequest, on_tokens: OnTokens,
+    def begin(cls, api: "ApiState", store: ResponseStore, turn: ResponseInput, on_tokens: OnTokens,
               on_done: OnDone) -> "ResponseTurn":
         start = time.perf_counter()
-        tokenizer = api.tokenizer
-        requested = turn.body.max_output_tokens
-        max_prompt = api.engine.max_context - (requested or 1) if turn.body.truncation == "auto" else None
-        p = plan(tokenizer, turn.previous, turn.items, turn.body.instructions, turn.tools, max_prompt)
-        max_tokens = api.max_tokens(p.prompt_len, requested)
-        grammar = turn.grammar(api.engine)
-        session = p.base.fork() if p.base else api.engine.session(turn.namespace)
-        try:
-            session.queue(p.delta_ids)
-            body = turn.body
-            req = session.start_generate(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
-                grammar=grammar, on_tokens=on_tokens, on_done=on_done,
-            )
-        except BaseException:
-            session.close()
-            raise
+        body, previous = turn.body, turn.previous
+        history = previous.conversation() if previous else []
+        messages = to_messages(turn.items, call_ids(history))
+        system = [system_message(body.instructions)] if body.instructions else []
+        requested = body.max_output_tokens
+        engine = api.engine
+        # The turn's own: stored with the response, or closed.
+        session = previous.fork() if previous else engine.session(turn.namespace)
+        engine_turn = engine.start_turn(
+            Conversation(system + history + messages, turn.tools), session, owned=True,
+            max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested), tool_choice=turn.tool_choice,
+            response_format=body.response_format(), parallel_tool_calls=body.parallel_tool_calls is not False,
+            truncate_to=engine.max_context - (requested or 1) if body.truncation == "auto" else None,
+            # The session holds what rendering the whole conversation gives, so a
+            # continuation answers as the same history sent whole would be.
+            canonical_reply=True,
+            # A stored response may be continued by many branches, each with
+            # other items: an opening held in its session would be computed
+            # for all and kept by few.
+            preposition=False,
+            temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
+            on_tokens=on_tokens, on_done=on_done,
+        )
         store.enter()
-        return cls(api, store, turn, p, session, req, start)
+        return cls(api, store, turn, messages, engine_turn, start)
 
     def cancel(self) -> None:
-        self.req.cancel()
+        self.engine_turn.cancel()
 
-    def finish(self) -> Turn:
-        api, turn, session, req = self.api, self.turn, self.session, self.req
+    def finish(self) -> Finished:
+        turn = self.turn
         try:
-            if req.error is not None:
-                raise req.error
-            ids, stats = req.output, req.turn
-            reply = _reply(api, turn, ids)
-            response = _finished(turn, reply, stats, len(ids))
+            result = self.engine_turn.finish()
+            reply = reply_of(result)
+            response = _finished(turn, reply, result.usage)
             if turn.body.store:
-                tokenizer = api.tokenizer
-                retokenize_reply(tokenizer, session, stats.prompt_tokens)
-                session.end_turn([call.function.name for call in reply.tool_calls])
-                held = HeldText(self.plan.held, self.plan.delta_text + tokenizer.decode(ids))
-                messages = self.plan.messages + [reply_message(reply.content, reply.tool_calls)]
+                messages = self.messages + [reply_message(reply.content, reply.tool_calls)]
                 self.store.put(StoredResponse(response, turn.tenant, listed(turn.items), messages, turn.previous,
-                                              held, session))
+                                              result.session))
             else:
-                session.close()
-        except BaseException:
-            session.close()
-            raise
+                result.session.close()
         finally:
             self.store.leave()
-        api.metrics.observe_turn(time.perf_counter() - self.start)
-        return Turn(response, ids)
+        self.api.metrics.observe_turn(time.perf_counter() - self.start)
+        return Finished(response, result)
 
 
-def _reply(api: "ApiState", turn: TurnRequest, ids: list[int]) -> "Reply":
-    text = ReplyText(api.tokenizer, (), api.tool_format if turn.tools else None)
-    text.push(ids)
-    return text.finish(ids, api.stop_ids)[1]
-
-
-def _finished(turn: TurnRequest, reply: "Reply", stats: "TurnStats", generated: int) -> Response:
+def _finished(turn: ResponseInput, reply: Reply, usage: dict) -> Response:
     cut = reply.finish_reason == "length"
     status = "incomplete" if cut else "completed"
     output: list[OutputItem] = []
@@ -334,10 +239,10 @@ def _finished(turn: TurnRequest, reply: "Reply", stats: "TurnStats", generated: 
                            arguments=call.function.arguments, status="completed")
         for call in reply.tool_calls
     ]
-    usage = ResponseUsage(
-        input_tokens=stats.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=stats.reused_tokens, cache_write_tokens=stats.computed_tokens),
-        output_tokens=generated, total_tokens=stats.prompt_tokens + generated,
-    )
+    prompt, generated = usage["prompt_tokens"], usage["completion_tokens"]
+    details = InputTokensDetails(cached_tokens=usage["cached_tokens"], cache_write_tokens=usage["computed_tokens"])
+    response_usage = ResponseUsage(input_tokens=prompt, input_tokens_details=details, output_tokens=generated,
+                                   total_tokens=prompt + generated)
     incomplete = IncompleteDetails(reason="max_output_tokens") if cut else None
-    return turn.shell.model_copy(update={"status": status, "output": output, "usage": usage, "incomplete_details": incomplete})
+    return turn.shell.model_copy(update={"status": status, "output": output, "usage": response_usage,
+                                         "incomplete_details": incomplete})

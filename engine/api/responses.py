@@ -32,11 +32,13 @@ from typing import Annotated, AsyncIterator, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
+from agentkv.engine import offered_tools, tool_choice_error
+
 from agentkv.engine.api.errors import APIError, from_exception
 from agentkv.engine.api.generation import Generation
 from agentkv.engine.api.replies import ReplyText
 from agentkv.engine.api.response_store import ResponseStore, StoredResponse
-from agentkv.engine.api.response_turn import ResponseTurn, Turn, TurnRequest, new_item_id, shell
+from agentkv.engine.api.response_turn import Finished, ResponseTurn, ResponseInput, new_item_id, shell
 from agentkv.engine.api.responses_schemas import (
     InputItemList,
     NamedFunctionChoice,
@@ -50,7 +52,6 @@ from agentkv.engine.api.responses_schemas import (
 from agentkv.engine.api.sse import event_stream
 from agentkv.engine.api.state import ApiState
 from agentkv.engine.api.tenants import tenant_of
-from agentkv.model.tool_calls import tool_choice_error
 
 router = APIRouter(prefix="/v1/responses")
 
@@ -87,14 +88,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     if previous is not None and previous.session.namespace != namespace:
         raise APIError(400, f"response {previous.id!r} was made with another cache_salt", param="cache_salt")
     response_id = "resp_" + secrets.token_hex(16)
-    turn = TurnRequest(body, body.items(), tenant.name, namespace, previous, shell(body, response_id),
+    turn = ResponseInput(body, body.items(), tenant.name, namespace, previous, shell(body, response_id),
                        new_item_id("message"))
-    text = ReplyText(api.tokenizer, (), api.tool_format if turn.tools else None)
+    text = ReplyText(api.tokenizer, (), api.tool_format if offered_tools(turn.tools, turn.tool_choice) else None)
     gen = await Generation.begin(lambda on_tokens, on_done: ResponseTurn.begin(api, store, turn, on_tokens, on_done))
     if not body.stream:
         return (await gen.result_unless_gone(request)).response
     await gen.started()
-    return event_stream(_events(gen, text, turn.shell, turn.message_id, api.stop_ids), gen.abandon)
+    return event_stream(_events(gen, text, turn.shell, turn.message_id), gen.abandon)
 
 
 @router.get("/{response_id}")
@@ -141,7 +142,7 @@ class _SequencedEvents:
 
 
 async def _events(
-    gen: Generation[Turn], text: ReplyText, shell: Response, message_id: str, stop_ids: list[int]
+    gen: Generation[Finished], text: ReplyText, shell: Response, message_id: str
 ) -> AsyncIterator[str]:
     ev = _SequencedEvents()
     yield ev("response.created", response=shell)
@@ -161,7 +162,7 @@ async def _events(
         error = from_exception(e)
         yield ev("error", code=error.code, message=error.message, param=error.param)
         return
-    rest, _ = text.finish(turn.token_ids, stop_ids)
+    rest, _ = text.finish(turn.result)
     for index, item in enumerate(turn.response.output):
         if isinstance(item, OutputMessage):
             if not opened:

@@ -24,7 +24,7 @@ from pathlib import Path
 from agentkv.engine.api.json_files import JsonFiles, Stamp
 from agentkv.engine.api.schemas import SESSION_ID_PATTERN, TurnRecord
 from agentkv.engine.api.tenants import TENANT_NAME
-from agentkv.engine.message_log import MessageLog
+from agentkv.engine import MessageLog
 
 
 @dataclass(frozen=True)

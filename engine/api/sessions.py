@@ -39,10 +39,10 @@ from agentkv.engine.api.schemas import SessionInfo, TurnRecord
 from agentkv.engine.api.json_files import Stamp
 from agentkv.engine.api.session_files import SavedSession, SessionFiles
 from agentkv.engine.api.tenants import Tenant
-from agentkv.engine.errors import EngineError
+from agentkv.engine import EngineError
 
 if TYPE_CHECKING:
-    from agentkv import Engine, Session
+    from agentkv.engine import Engine, Session
 
 log = logging.getLogger("agentkv.sessions")
 
@@ -67,6 +67,7 @@ class Lease:
     def __init__(self, registry: "SessionRegistry", entry: _Entry):
         self.registry, self._entry = registry, entry
         self._released = False
+        self._lock = threading.Lock()
 
     @property
     def session_id(self) -> str:
@@ -84,12 +85,11 @@ class Lease:
         self._entry.turns.append(turn)
 
     def release(self) -> None:
-        with self.registry._lock:
+        with self._lock:
             if self._released:
                 return
             self._released = True
-            self._entry.busy = False
-        self.registry.save(self._entry)
+        self.registry.end_lease(self._entry)
 
     def __enter__(self) -> "Lease":
         return self
@@ -116,13 +116,19 @@ class SessionRegistry:
         Returns the tier keys they claim; what cannot be resumed is in reports()."""
         if self.files is None:
             return set()
-        saved = self.files.load(self.engine.model.cfg.vocab_size)
+        saved = self.files.load(self.engine.vocab_size)
         for s in saved:
             session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
             session.message_log = s.log
             with self._lock:
                 self._entries[s.tenant, s.session_id] = _Entry(s.tenant, s.session_id, session, list(s.turns))
         return {s.key for s in saved}
+
+    def end_lease(self, entry: _Entry) -> None:
+        """Its session is free for the next request; its state is saved."""
+        with self._lock:
+            entry.busy = False
+        self.save(entry)
 
     def save(self, entry: _Entry) -> None:
         """Persist the session (with a state directory): KV first, then the file naming it."""
@@ -138,8 +144,7 @@ class SessionRegistry:
 
     def reports(self) -> list[str]:
         """What resuming saved state found wrong (unreadable files, KV that failed verification)."""
-        tier = self.engine.tier
-        return (self.files.reports if self.files else []) + (list(tier.reports) if tier is not None else [])
+        return (self.files.reports if self.files else []) + self.engine.kv_reports
 
     def list(self, tenant: Tenant) -> list[SessionInfo]:
         with self._lock:
@@ -173,12 +178,11 @@ class SessionRegistry:
             if stamp is None and entry is not None and entry.stamp is not None:
                 self._forget_deleted(entry)
             return
-        found = self.files.load_one(tenant, session_id, self.engine.model.cfg.vocab_size)
+        found = self.files.load_one(tenant, session_id, self.engine.vocab_size)
         if found is None:
             return
         saved, stamp = found
-        if self.engine.tier is not None:
-            self.engine.tier.adopt(saved.key)
+        self.engine.adopt_saved_kv(saved.key)
         session = self.engine.session(saved.namespace, tokens=saved.tokens, key=saved.key)
         session.message_log = saved.log
         with self._lock:
@@ -303,11 +307,9 @@ class SessionRegistry:
         if entry is None:
             raise _unknown(session_id)
         s = entry.session
-        tier = self.engine.tier
         return SessionInfo(
-            id=session_id, length=len(s), pages=len(s.table.held_pages()), busy=entry.busy, pinned=s.pinned,
-            awaiting_tools=list(s.awaiting) if s.awaiting else None,
-            tier_tokens=tier.tokens_held(s.key) if tier is not None else 0, turns=list(entry.turns),
+            id=session_id, length=len(s), pages=s.pages_held, busy=entry.busy, pinned=s.pinned,
+            awaiting_tools=list(s.awaiting) if s.awaiting else None, tier_tokens=s.tier_tokens, turns=list(entry.turns),
         )
 
     def busy_count(self) -> int:

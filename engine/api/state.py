@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from agentkv.engine.api.errors import APIError, not_found
 from agentkv.engine.api.metrics import Metrics
-from agentkv.engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held, kv_pages_held
+from agentkv.engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held
 from agentkv.engine.api.response_files import ResponseFiles
 from agentkv.engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from agentkv.engine.api.session_files import SessionFiles
@@ -18,9 +18,7 @@ from agentkv.engine.api.sessions import SessionRegistry
 from agentkv.engine.api.tenants import ApiKeys, Tenant
 
 if TYPE_CHECKING:
-    from agentkv import Engine
-    from agentkv.model.tokenizer import Tokenizer
-    from agentkv.model.tool_calls import ToolCallFormat
+    from agentkv.engine import Engine, Tokenizer, ToolCallFormat
 
 
 @dataclass(eq=False)
@@ -60,7 +58,7 @@ class ApiState:
         limit = self.quotas.max_kv_pages
         if limit is not None and not self.keys.open:
             sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
-            check_held("KV pages (in the pool and the second tier)", kv_pages_held(self.engine, sessions), limit,
+            check_held("KV pages (in the pool and the second tier)", self.engine.kv_pages_held(sessions), limit,
                        "delete or truncate sessions, or delete stored responses")
 
     @property
@@ -102,7 +100,3 @@ class ApiState:
             raise APIError(413, f"{prompt_len} prompt tokens + max_tokens {requested} exceed the model's context of {context}",
                            code="context_length_exceeded", param="max_tokens")
         return min(room, self.default_max_tokens) if requested is None else requested
-
-    @property
-    def stop_ids(self) -> list[int]:
-        return self.engine.eos_token_ids

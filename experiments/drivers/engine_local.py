@@ -58,7 +58,7 @@ class EngineSystem:
                           constrain_auto=False,
                           # Every system gets the shared rendering's token ids: the history as the
                           # template writes it, not as this run sampled it (that is
-                          # experiments.bench_continuation's question).
+                          # experiments.benchmarks.bench_continuation's question).
                           continuation="template-faithful")
 
     def turn(self, r: Request) -> dict:
@@ -87,7 +87,7 @@ class EngineSystem:
 
 
 class EngineDecode:
-    """The engine in-process for experiments.bench_decode: one session per
+    """The engine in-process for experiments.benchmarks.bench_decode: one session per
     prompt (agent), prefilled on its first call and kept; every call decodes
     exactly gen greedy tokens through the scheduler's normal path
     (Session.generate, speculation off, so each step is a plain decode step)

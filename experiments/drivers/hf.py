@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from agentkv.engine.chat_turn import common_prefix_len
+from agentkv.cache.tokens import common_prefix_len
 from agentkv.experiments.drivers.system import Request, turn_row
 
 KINDS = ("hf", "hf-reuse")

@@ -1,6 +1,6 @@
 """llama.cpp through llama-cpp-python (optional, its own venv: bash
-experiments/peers/setup_llamacpp.sh), on a GGUF of the same weights,
-driven by experiments/peers/llamacpp_driver.py. keep: one context per agent
+experiments/drivers/peers/setup_llamacpp.sh), on a GGUF of the same weights,
+driven by experiments/drivers/peers/llamacpp_driver.py. keep: one context per agent
 and llama.cpp's longest-prefix KV reuse across calls; reset: a reset before
 every turn."""
 from __future__ import annotations
@@ -21,8 +21,8 @@ def llamacpp_status() -> str | None:
     """None when the llama.cpp venv is usable, else why not."""
     py = LLAMACPP_VENV / "bin" / "python"
     if not py.is_file():
-        return (f"llama-cpp-python is not installed (optional: bash experiments/peers/setup_llamacpp.sh builds it "
-                f"from source into {rel(LLAMACPP_VENV)}, about 9 minutes on 2 cores)")
+        return (f"llama-cpp-python is not installed (optional: bash experiments/drivers/peers/setup_llamacpp.sh "
+                f"builds it from source into {rel(LLAMACPP_VENV)}, about 9 minutes on 2 cores)")
     probe = subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True, text=True)
     if probe.returncode:
         return f"llama_cpp does not import in {rel(LLAMACPP_VENV)}: {probe.stderr.strip()[-200:]}"
@@ -50,4 +50,4 @@ def llamacpp_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, t
             "ctx_len": ctx_len, "gguf": str(gguf),
             "gguf_type": gguf_type, "warmup_ids": reqs[0].ids[:64], "flash_attn": flash_attn}
     return PeerSystem(kind, [str(LLAMACPP_VENV / "bin" / "python"),
-                             str(ROOT / "experiments/peers/llamacpp_driver.py")], env, spec, log, timeout)
+                             str(ROOT / "experiments/drivers/peers/llamacpp_driver.py")], env, spec, log, timeout)

