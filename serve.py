@@ -43,7 +43,9 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--dtype", default="float32",
                         help="float32, bfloat16, float16, or auto: the checkpoint's own dtype where the device "
                              "computes in it (bf16 on a CPU with AVX512-BF16, else float32)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the KV cache's pages")
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0,
+                        help="memory for KV: on a CPU the pool and the host tier together, the same RAM (unless "
+                             "--kv-offload-gb sizes the tier, in addition); on a GPU the pool's")
     parser.add_argument("--no-constrain-auto", action="store_true",
                         help="decode tool_choice \"auto\" unconstrained (default: a call the model opens is held to "
                              "the tools' schemas)")
@@ -111,8 +113,13 @@ def serve(argv: list[str]) -> None:
     kv.add_argument("--tool-ttl-cap", type=float, default=r.tool_ttl_cap, help="longest tool pin, seconds")
     kv.add_argument("--tool-ttl-margin", type=float, default=r.margin,
                     help="a tool pin lasts this many times the tool's estimated pause")
-    kv.add_argument("--kv-offload-gb", type=float, default=DEFAULT_KV_OFFLOAD_BYTES / 2**30,
-                    help="host memory for KV that leaves the pool (0: none; evicted KV is dropped)")
+    kv.add_argument("--kv-offload-gb", type=float, default=None,
+                    help="host memory for KV that leaves the pool, in addition to --kv-cache-gb (0: none; evicted "
+                         "KV is dropped). Default: on a GPU %g; on a CPU none, or half of --kv-cache-gb with "
+                         "--state-dir (which writes KV through the tier)" % (DEFAULT_KV_OFFLOAD_BYTES / 2**30))
+    kv.add_argument("--no-program-admission", action="store_true",
+                    help="admit every request at once; by default an agent's turns are one program, admitted "
+                         "whole only while the admitted programs' KV fits the pool and the host tier")
     kv.add_argument("--kv-offload-dir", default=None, help="spill the host tier's least recently used KV here")
     kv.add_argument("--kv-offload-disk-gb", type=float, default=DEFAULT_KV_OFFLOAD_DISK_BYTES / 2**30,
                     help="disk for spilled KV; past it the least recently used is dropped")
@@ -159,10 +166,14 @@ def serve(argv: list[str]) -> None:
         for kernel, error in build_cpu_kernels().items():
             log.warning("%s: %s; its torch path runs instead", kernel, error)
         log.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    pool_bytes, tier_bytes = kv_split(args.kv_cache_gb, args.kv_offload_gb, args.device, bool(args.state_dir))
+    log.info("KV memory: %.3f GiB pool + %.3f GiB host tier = %.3f GiB%s", pool_bytes / 2**30, tier_bytes / 2**30,
+             (pool_bytes + tier_bytes) / 2**30, " (the tier out of --kv-cache-gb: on a CPU it is the same RAM)"
+             if args.device == "cpu" and args.kv_offload_gb is None and tier_bytes else "")
     engine = Engine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+        args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=pool_bytes,
         constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention, continuation=args.continuation,
-        kv_offload_bytes=int(args.kv_offload_gb * 2**30),
+        program_admission=not args.no_program_admission, kv_offload_bytes=tier_bytes,
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
         kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec,
         kv_resume=not args.shared_state, drafter=args.drafter, decode_graphs=False if args.enforce_eager else None)
@@ -184,6 +195,19 @@ def serve(argv: list[str]) -> None:
         for line in app.state.api.sessions.reports():
             log.warning("%s", line)
     uvicorn.run(app, host=args.host, port=args.port, timeout_keep_alive=args.timeout_keep_alive)
+
+
+def kv_split(kv_cache_gb: float, kv_offload_gb: float | None, device: str, state_dir: bool) -> tuple[int, int]:
+    """Bytes for the pool and for the host tier. On a CPU the tier is the same
+    RAM as the pool, so unless it is sized explicitly it comes out of the
+    total: none, or half with a state directory (which needs one)."""
+    total = int(kv_cache_gb * 2**30)
+    if kv_offload_gb is not None:
+        return total, int(kv_offload_gb * 2**30)
+    if device == "cpu":
+        tier = total // 2 if state_dir else 0
+        return total - tier, tier
+    return total, DEFAULT_KV_OFFLOAD_BYTES
 
 
 def _reload(keys: ApiKeys) -> None:

@@ -1,16 +1,21 @@
 """Which requests a step runs, and with what: admission, KV restore and
 preemption.
 
+A request whose program (engine.programs) holds no place waits for one:
+programs are admitted whole, only while their KV fits.
+
 Requests run in priority order (Request.priority: a conversation's next turn
 by when the conversation began, then by arrival). A step takes, in that
 order, what fits in its token budget, its sequence slots and the pool: a
 prefill chunk, the one token drawn last step, or that token plus a
 speculative draft. Before a request (re)joins, what the prefix cache and the
 second tier still hold of its sequence is matched or restored. When pages run
-short, unused cached prefixes and idle sequences past their pin time give way
-first (engine.kv_policy); then the lowest-priority request holding pages is
-preempted: its pages go (published to the prefix cache), its tokens stay,
-and it re-queues to recompute what the cache lost.
+short, idle KV gives way first, all of it if need be (engine.kv_policy:
+unused cached prefixes, idle sequences past their pin, then those inside
+it); only then is the lowest-priority request holding pages preempted: its
+pages go (published to the prefix cache), its tokens stay, and it re-queues
+to recompute what the cache lost. A preempted request is not preempted
+again before it has made progress, unless nothing could run otherwise.
 
 Prompt chunks end at multiples of Limits.prefill_chunk (and at the prompt's
 end), so how a sequence is cut never depends on what shares its step.
@@ -26,6 +31,7 @@ from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.draft_planner import DraftPlanner
 from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.limits import Limits
+from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.request import Request
 from agentkv.engine.request_queue import RequestQueue
 from agentkv.engine.sequence import Sequence
@@ -39,18 +45,33 @@ Fail = Callable[[Request, BaseException], None]
 
 class BatchPlanner:
     def __init__(self, pool: PagePool, policy: KVPolicy, sequences: Sequences, limits: Limits, queue: RequestQueue,
-                 counters: SchedulerCounters, drafts: DraftPlanner, fail: Fail):
+                 counters: SchedulerCounters, drafts: DraftPlanner, programs: ProgramAdmission, fail: Fail):
         self.pool, self.policy, self.sequences, self.limits = pool, policy, sequences, limits
         self.queue, self.counters, self.drafts, self.fail = queue, counters, drafts, fail
+        self.programs = programs
         self._preempted_now: set[Request] = set()  # this step's: not scheduled again in it
+        self._protect = True  # a request preempted before keeps its pages until it progresses
+        self._blocked = False  # this pass left a request waiting for pages others hold
 
     def plan(self) -> list[Work]:
         """This step's work, its requests admitted; a request that could
         never fit is failed (KVCapacityError)."""
+        self._preempted_now.clear()
+        self.programs.start_pass()
+        work = self._plan()
+        if not work and self._blocked:
+            # Requests preempted before hold what the others need, and none
+            # of them can run either: one gives way again rather than stall.
+            self._protect = False
+            work = self._plan()
+            self._protect = True
+        return work
+
+    def _plan(self) -> list[Work]:
         budget = self.limits.max_num_batched_tokens
         work: list[Work] = []
         reserved = 0
-        self._preempted_now.clear()
+        self._blocked = False
         for req in self.queue.by_priority():
             if len(work) >= self.limits.max_num_seqs:
                 break
@@ -58,6 +79,8 @@ class BatchPlanner:
                 continue
             if not req.admitted and len(self.queue.running) >= self.limits.max_num_seqs:
                 continue  # no free slot: it waits
+            if not req.admitted and not self.programs.admit(req):
+                continue  # its program waits whole for room
             if req.ready_logits is not None:
                 work.append(self._admit(Work(req, None, [])))
                 continue
@@ -71,10 +94,14 @@ class BatchPlanner:
                 continue  # waits for a step with room
             needed = reserved + w.item.table.pages_needed(len(w.item.tokens))
             if not self._secure(needed, req, {x.req for x in work}):
-                if not work:  # nothing else could give way: it cannot run now
+                if work:
+                    break
+                if not any(r is not req and r.seq.table.pages for r in self.queue.all()):
+                    # Nothing else could give way: it cannot run now.
                     self.fail(req, KVCapacityError(needed, self.pool.num_free, self.pool.page_size))
                     continue
-                break
+                self._blocked = True  # waits for pages others hold, while they run
+                continue
             reserved = needed
             budget -= len(w.item.tokens)
             work.append(self._admit(w))
@@ -159,7 +186,8 @@ class BatchPlanner:
             if not req.started:  # first admission: what it found held or cached
                 req.started = True
                 c = self.counters
-                c.queue_s.observe(time.monotonic() - req.queued_at)
+                seq.turn.queued_s = time.monotonic() - req.queued_at
+                c.queue_s.observe(seq.turn.queued_s)
                 c.prefix_queries += len(seq.tokens)
                 c.prefix_hits += seq.table.length
                 if not seq.turn.computed_tokens:
@@ -167,16 +195,25 @@ class BatchPlanner:
         return w
 
     def _secure(self, pages: int, req: Request, scheduled: set[Request]) -> bool:
-        """Make `pages` free for req: the KV policy's idle pages first, then
-        preemption of lower-priority requests holding pages, lowest first,
-        then idle sessions still inside their pin time."""
-        while not self.make_room(pages):
-            victims = [r for r in self.queue.all()
-                       if r not in scheduled and r is not req and r.priority() > req.priority() and r.seq.table.pages]
-            if not victims:
-                return self.make_room(pages, soft_pins=True)
-            self._preempt(max(victims, key=Request.priority))
+        """Make `pages` free for req: idle KV first, down to the sessions still
+        inside their pin (the KV policy's order), and only then preemption of
+        lower-priority requests holding pages, lowest first."""
+        while not self.make_room(pages, soft_pins=True):
+            victim = self._victim(req, scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
         return True
+
+    def _victim(self, req: Request, scheduled: set[Request]) -> Request | None:
+        """The lowest-priority request below req holding pages; one preempted
+        before only once it has progressed since (unless the step would
+        stall otherwise: see plan)."""
+        holders = [r for r in self.queue.all()
+                   if r not in scheduled and r is not req and r.priority() > req.priority() and r.seq.table.pages]
+        if self._protect:
+            holders = [r for r in holders if r.progress() > r.progress_at_preemption]
+        return max(holders, key=Request.priority, default=None)
 
     def _preempt(self, req: Request) -> None:
         """Release req's pages (published to the prefix cache); its tokens and
@@ -186,7 +223,12 @@ class BatchPlanner:
         req.ready_logits = None
         # An append's wanted logits are all recomputed: its prefix match stops before them.
         req.logits = []
+        if req.preemptions:
+            self.counters.repeat_preemptions += 1
         req.preemptions += 1
+        req.progress_at_preemption = req.progress()
+        # Its program gives up its place: it comes back whole, when it fits.
+        self.programs.evict(req.seq.key)
         self._preempted_now.add(req)
         self.counters.preemptions += 1
         self.queue.requeue(req)

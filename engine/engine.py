@@ -20,6 +20,7 @@ from agentkv.engine.grammar import GrammarCache
 from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.limits import Limits
 from agentkv.engine.message_log import CONTINUATIONS
+from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.retention import Retention, RetentionConfig
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
@@ -78,6 +79,7 @@ class Engine:
         forced_drafts: bool = True,
         schema_drafts: bool = False,
         decode_graphs: bool | None = None,
+        program_admission: bool = True,
     ):
         cfg: ModelConfig = model.cfg
         self.model = model
@@ -146,8 +148,13 @@ class Engine:
             self.drafters = Drafters(drafter, forced_drafts, schema_drafts)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+        # Programs (a session's turns) are admitted whole while their KV fits
+        # the pool and the host tier (engine.programs); off, every request is.
+        ps = self.pool.page_size
+        tier_pages = self.tier.host_bytes // (self.tier.token_bytes * ps) if self.tier is not None else 0
+        programs = ProgramAdmission(self.pool.num_pages + tier_pages, ps, program_admission)
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
-                                   self.eos_token_ids, decode, self.drafters)
+                                   self.eos_token_ids, decode, self.drafters, programs)
         # Guards the pool, the sequences and the model (the scheduler's lock).
         self.lock = self.scheduler.lock
         self._session_context = SessionContext(self.scheduler, self.sequences, self.tier, cfg.vocab_size,
@@ -224,6 +231,8 @@ class Engine:
                 prefix_cache_pages=self.radix.stats().get("cached_pages", 0) if self.radix is not None else 0,
                 in_flight=sched.in_flight, running=len(sched.running), waiting=len(sched.waiting),
                 counters=sched.counters, turn_totals=dict(sched.turn_totals),
+                programs=sched.programs.counts(sched.waiting, self.sequences.all),
+                admission_refusals=sched.programs.refusals,
                 tier=tier.counters if tier is not None else None,
                 tier_host_bytes=tier.host_used if tier is not None else 0,
                 tier_disk_bytes=tier.disk_used if tier is not None else 0,

@@ -8,10 +8,13 @@ prefixes no sequence holds (least recently used first), then idle sessions
 past their pin, in the retention policy's order (engine.retention). Such a
 session leaves the pool through evict: its KV goes to the tier (when there
 is one) and is published to the prefix cache, so a later turn finds it in
-one or the other. Next the scheduler preempts lower-priority requests; only
-when none is left do idle sessions still inside their pin give way (soft
-pins), rather than a request failing. A sequence pinned for good (pin_ttl
-None) never does.
+one or the other. Next idle sessions still inside their pin give way (soft
+pins), the least valuable first: the seconds bringing its KV back would
+cost (restored from the tier, or recomputed), per second until its next
+turn is expected. Only then does the scheduler preempt running work: idle
+KV is never kept at the price of work in flight (Continuum pins only while
+that starves nothing). A sequence pinned for good (pin_ttl None) never
+gives way.
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from agentkv.cache.pool import PagePool
 from agentkv.cache.radix import RadixCache
 from agentkv.engine.retention import Retention
 from agentkv.engine.sequence import Sequence
+
+# A pinned session already due back is worth holding as if it were due in this long.
+MIN_WAIT_S = 0.05
 
 
 class KVPolicy:
@@ -61,6 +67,16 @@ class KVPolicy:
         if self.tier is not None and seq.table.length and (not preempted or self._copy_beats_recompute(seq.table.length)):
             self.tier.offload(seq.key, seq.namespace, seq.tokens, seq.table, replace=not family_busy)
         self.release(seq)
+
+    def bring_back_s(self, seq: Sequence) -> float:
+        """What the sequence's KV in the pool would cost to have again once it
+        leaves: restored from the tier where it would go there, else
+        recomputed (in tokens, while nothing is measured)."""
+        tokens = seq.table.length
+        c = self.tier.counters if self.tier is not None else None
+        if c is not None and c.restore_bytes and self.tier.host_bytes:
+            return tokens * self.tier.token_bytes * c.restore_s / c.restore_bytes
+        return tokens * (self.prefill_s_per_token or 1.0)
 
     def _copy_beats_recompute(self, tokens: int) -> bool:
         c = self.tier.counters
@@ -128,7 +144,8 @@ class KVPolicy:
         r = self.retention
         order = sorted((s for s in idle if s.expired(now)), key=r.eviction_key)
         if soft_pins:
-            order += sorted((s for s in idle if not s.expired(now)), key=r.soft_pin_key)
+            order += sorted((s for s in idle if not s.expired(now)),
+                            key=lambda s: self.bring_back_s(s) / max(r.expected_back(s) - now, MIN_WAIT_S))
         for seq in order:
             if self.pool.num_free >= pages:
                 break

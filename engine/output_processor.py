@@ -143,6 +143,7 @@ class OutputProcessor:
         seq = req.seq
         self.policy.publish(seq)
         req.turn = seq.turn
+        seq.turn.preemptions = req.preemptions
         self.stats.append(seq.turn)
         for name, value in seq.turn.as_dict().items():
             self.turn_totals[name] = self.turn_totals.get(name, 0) + value

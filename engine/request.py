@@ -49,6 +49,7 @@ class Request:
     turn: TurnStats | None = None  # a generation's turn record, once it finished
     admitted: bool = False  # counted as running (has been scheduled since it last queued)
     preemptions: int = 0
+    progress_at_preemption: int = -1  # its progress() when last preempted: not again before it grows
     started: bool = False  # admitted at least once (what it found held or cached is counted then)
     forced: int = 0  # of its latest draft, the leading tokens the grammar forced
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -66,6 +67,10 @@ class Request:
         rolled back (the sequence as before it) and fails with
         RequestCancelledError. Thread-safe; a finished request ignores it."""
         self._cancelled.set()
+
+    def progress(self) -> int:
+        """What it has produced: tokens drawn, or an append's logits."""
+        return len(self.output) + len(self.logits)
 
     def priority(self) -> tuple[int, int]:
         """Lower runs first: the sequence's conversation's arrival, then this request's."""

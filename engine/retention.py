@@ -10,11 +10,13 @@ A session whose turn ended with a final answer is retained at lower
 priority: pinned for final_ttl (default 0) and, among the offloadable, the
 first to go.
 
-Order under memory pressure (engine.kv_policy, engine.scheduler): unused
-cached prefixes (LRU); offloadable sessions, final answers before sessions
-awaiting a tool, then longest idle, then the smallest reuse value (fewest
-tokens held); then preemption of running work; last the pinned ones
-(soft pins), the soonest to expire first.
+Order under memory pressure (engine.kv_policy, engine.batch_planner):
+unused cached prefixes (LRU); offloadable sessions, final answers before
+sessions awaiting a tool, then longest idle, then the smallest reuse value
+(fewest tokens held); then the pinned ones (soft pins), the least valuable
+first: what bringing a session's KV back would cost, per second until it is
+expected back (its tool's estimated pause); only then is running work
+preempted: idle KV never outranks work in flight.
 
 "lru" is the ablation: no pins and no tool awareness; idle sessions give
 way by idle time alone.
@@ -105,11 +107,14 @@ class Retention:
             return (seq.idle_since,)
         return (seq.awaiting is not None, seq.idle_since, seq.table.length)
 
-    def soft_pin_key(self, seq: Sequence) -> tuple:
-        """Sort key of pinned idle sessions, when nothing else is left: the soonest to expire first."""
+    def expected_back(self, seq: Sequence) -> float:
+        """When (time.monotonic) a pinned idle session's next turn is expected:
+        after its tool's estimated pause (the pin less its margin), else at
+        its pin's end."""
         if seq.pin_ttl is None:
-            return (math.inf,)
-        return (seq.idle_since + seq.pin_ttl,)
+            return math.inf
+        pause = seq.pin_ttl / self.config.margin if seq.awaiting and self.config.margin > 0 else seq.pin_ttl
+        return seq.idle_since + pause
 
     def estimates(self) -> dict[str, dict]:
         """Per tool: the pause estimate (seconds), the pin it gives, observations."""

@@ -25,6 +25,7 @@ from agentkv.engine.errors import EngineError, PoolTooSmallError, QueueFullError
 from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.limits import Limits
 from agentkv.engine.output_processor import OutputProcessor
+from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.request import Request
 from agentkv.engine.request_queue import RequestQueue
 from agentkv.engine.runner import ModelRunner
@@ -56,6 +57,7 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         decode: Callable[[list[int]], str] | None = None,
         drafters: Drafters | None = None,
+        programs: ProgramAdmission | None = None,
     ):
         self.runner, self.pool, self.policy, self.limits = runner, pool, policy, limits
         self.sequences = sequences
@@ -69,8 +71,11 @@ class Scheduler:
         self.observers = Observers()
         self.outputs = OutputProcessor(pool, policy, self.queue, self.drafters, self.counters, self.observers,
                                        max_context, limits.max_stats, decode)
+        # Programs admitted whole while their KV fits (engine.programs); without one, every request is.
+        self.programs = programs or ProgramAdmission(0, pool.page_size, enabled=False)
         self.planner = BatchPlanner(pool, policy, sequences, limits, self.queue, self.counters,
-                                    DraftPlanner(self.drafters, max_context, self.observers), self.outputs.fail)
+                                    DraftPlanner(self.drafters, max_context, self.observers), self.programs,
+                                    self.outputs.fail)
         self._last_idle_check = time.monotonic()
         self._wake = threading.Event()
         self._stop = threading.Event()

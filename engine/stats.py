@@ -17,8 +17,10 @@ class TurnStats:
     computed_tokens: int = 0  # tokens whose KV was computed by prefill this turn
     restored_tokens: int = 0  # of the reused, copied back from the second KV tier
     generated_tokens: int = 0
+    queued_s: float = 0.0  # from submission to its first admission (program admission included)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    preemptions: int = 0
     decode_steps: int = 0
     drafted_tokens: int = 0  # speculation: draft tokens verified
     accepted_tokens: int = 0  # of those, accepted
@@ -71,6 +73,7 @@ class SchedulerCounters:
 
     steps: int = 0
     preemptions: int = 0
+    repeat_preemptions: int = 0  # of a request preempted before (after it progressed, or lest a step stall)
     cancelled: int = 0
     failed: int = 0
     finished: int = 0
@@ -100,6 +103,8 @@ class EngineMetrics:
     waiting: int
     counters: SchedulerCounters
     turn_totals: dict[str, float]
+    programs: dict[str, int]  # admitted, queued, parked (engine.programs)
+    admission_refusals: int  # requests a step left waiting for their program's place
     tier: "TierCounters | None"  # the second KV tier's, if there is one
     tier_host_bytes: int = 0
     tier_disk_bytes: int = 0

@@ -46,6 +46,7 @@ from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.errors import ContextLengthError, InvalidRequestError
 from agentkv.engine.message_log import MessageLog, digest, tools_digest
 from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.stats import TurnStats
 from agentkv.engine.stops import cut_at_stop
 from agentkv.engine.structured import GrammarSource, request_grammar
 from agentkv.engine.trace import span
@@ -73,6 +74,7 @@ class TurnResult:
     finish_reason: str  # "stop", "length" or "tool_calls"
     token_ids: list[int] = field(default_factory=list)
     session: "Session | None" = None  # the session handed over (owned), now holding the reply
+    stats: TurnStats | None = None  # what the turn cost: its queueing, prefill and decode, reuse, preemptions
 
 
 class TurnHost(GrammarSource, Protocol):
@@ -216,7 +218,7 @@ class Turn:
             "native": self.prompt.native,
         }
         return TurnResult(content, calls, usage, "tool_calls" if calls else req.finish_reason, ids,
-                          work if self.owned else None)
+                          work if self.owned else None, stats)
 
     def _hold(self, work: "Session") -> "Session | None":
         """The session that keeps the turn, if any keeps it."""

@@ -29,3 +29,17 @@ def test_idle_connections_outlive_the_openai_clients_pool(uvicorn_calls):
 def test_the_keep_alive_is_the_operators_to_set(uvicorn_calls):
     serve.serve(["--kv-cache-gb", "0.02", "--timeout-keep-alive", "300"])
     assert uvicorn_calls[-1]["timeout_keep_alive"] == 300
+
+
+def test_on_a_cpu_the_kv_budget_is_the_pool_and_the_tier_together():
+    gib = 2**30
+    assert serve.kv_split(1.0, None, "cpu", state_dir=False) == (gib, 0)  # no tier beside the pool
+    assert serve.kv_split(1.0, None, "cpu", state_dir=True) == (gib // 2, gib // 2)  # the tier out of the total
+    assert serve.kv_split(1.0, 2.0, "cpu", state_dir=False) == (gib, 2 * gib)  # sized explicitly: in addition
+    assert serve.kv_split(1.0, None, "cuda", state_dir=False)[1] > 0  # host memory beside a GPU's
+
+
+def test_the_server_logs_how_kv_memory_is_split(uvicorn_calls, caplog):
+    caplog.set_level("INFO")
+    serve.serve(["--kv-cache-gb", "0.02"])
+    assert any("KV memory" in r.getMessage() and "host tier" in r.getMessage() for r in caplog.records)

@@ -134,7 +134,7 @@ def scripted(engine: Engine, replies: list[str]) -> Callable:
             fmt = self.turn.tool_format
             content, calls = fmt.parse(text) if fmt is not None else (text, [])
             return TurnResult(content, calls, {**result.usage, "completion_tokens": len(self.ids)},
-                              "tool_calls" if calls else "stop", self.ids)
+                              "tool_calls" if calls else "stop", self.ids, stats=result.stats)
 
     def start_turn(prompt, session=None, on_tokens=None, on_done=None, **kwargs):
         ids = tokenizer.encode(replies.pop(0)) + engine.eos_token_ids[:1]

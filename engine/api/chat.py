@@ -167,9 +167,11 @@ class _ChatTurn:
             latency = time.perf_counter() - self.start
             self.api.metrics.observe_turn(latency)
             if self.lease is not None:
-                u = result.usage
+                u, t = result.usage, result.stats
                 self.lease.record(TurnRecord(prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
-                                             completion_tokens=u["completion_tokens"], latency_s=latency))
+                                             completion_tokens=u["completion_tokens"], latency_s=latency,
+                                             queued_s=t.queued_s, prefill_s=t.prefill_s, decode_s=t.decode_s,
+                                             restored_tokens=t.restored_tokens, preemptions=t.preemptions))
             return result
         finally:
             if self.lease is not None:

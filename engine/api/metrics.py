@@ -84,6 +84,13 @@ class Metrics:
         out += _labelled("vllm:cache_config_info", "gauge", "Information of the KV cache config.",
                          m[:-1] + f',block_size="{e.page_size}",num_gpu_blocks="{e.pages_total}"}}', 1)
         out += _labelled("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.", m, c.preemptions)
+        out += _labelled("agentkv_repeat_preemptions_total", "counter",
+                         "Preemptions of a request preempted before.", "", c.repeat_preemptions)
+        out += _family("agentkv_programs", "gauge",
+                       "Agent programs (a session's turns) by admission state: admitted, queued, parked.")
+        out += [f'agentkv_programs{{state="{state}"}} {n}' for state, n in e.programs.items()]
+        out += _labelled("agentkv_admission_refusals_total", "counter",
+                         "Times a step left a request waiting for its program's admission.", "", e.admission_refusals)
         out += _labelled("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in queried tokens.", m,
                          c.prefix_queries)
         out += _labelled("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in cached tokens.", m,

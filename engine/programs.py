@@ -1,0 +1,109 @@
+"""Program-aware admission: an agent's turns are one program, and programs
+are admitted whole, only while their KV fits (ThunderAgent's program
+scheduling; Continuum's program-level first come, first served).
+
+A program is a session and the forks that work its turns (they share the
+sequence key that names its KV in the second tier); a request without a
+session is a program of one turn. Its working set is the KV it holds plus
+what it is expected to add: the tokens its latest turn queued beyond what
+was held (its delta), and the reply it may still draw.
+
+A new program's first request is admitted only while the admitted programs'
+working sets and its own fit the pool plus the second tier; otherwise it
+waits whole, and so does every program that came after it (first come,
+first served by program). Admitted programs keep their place across their
+tool pauses, so their KV is never traded against a newcomer's: what would
+have thrashed queues instead. A program frees its place when it ends (its
+sequences close) or stays idle past its pin (its KV may then give way: it
+is parked). So that nothing waits on work that is not running, a program is
+also admitted whenever no admitted program has a request in flight.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from agentkv.engine.request import Request
+from agentkv.engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class Program:
+    key: str
+    sequences: set[Sequence]  # its live ones: the session and any fork working a turn
+    delta: int = 0  # tokens its latest turn queued beyond what was held
+    reply: int = 0  # tokens its latest turn may draw
+
+    def held(self) -> int:
+        return max((len(s) for s in self.sequences), default=0)
+
+    def working_set(self) -> int:
+        return self.held() + self.delta + self.reply
+
+    def active(self) -> bool:
+        return any(s.busy for s in self.sequences)
+
+    def idle_past_pin(self, now: float) -> bool:
+        return not self.active() and all(s.pin_ttl is not None and now - s.idle_since >= s.pin_ttl
+                                         for s in self.sequences)
+
+
+class ProgramAdmission:
+    def __init__(self, capacity_pages: int, page_size: int, enabled: bool = True):
+        self.capacity = capacity_pages  # the pool's plus the second tier's host memory's, in pages
+        self.page_size = page_size
+        self.enabled = enabled
+        self.admitted: dict[str, Program] = {}
+        self.refusals = 0  # requests a step left waiting for their program's admission
+        self._queue_closed = False  # this pass refused a program: later ones wait too
+
+    def start_pass(self) -> None:
+        """A step's planning begins: places of programs that ended or went idle past their pin are freed."""
+        now = time.monotonic()
+        for key, p in list(self.admitted.items()):
+            p.sequences = {s for s in p.sequences if not s.closed}
+            if not p.sequences or p.idle_past_pin(now):
+                del self.admitted[key]
+        self._queue_closed = False
+
+    def admit(self, req: Request) -> bool:
+        """Whether req's program holds a place (taking one if it fits); False: req waits."""
+        seq = req.seq
+        p = self.admitted.get(seq.key)
+        if p is not None:
+            p.sequences.add(seq)
+            self._note_turn(p, req)
+            return True
+        if not self.enabled:
+            return True
+        candidate = Program(seq.key, {seq})
+        self._note_turn(candidate, req)
+        busy = any(q.active() for q in self.admitted.values())
+        fits = sum(map(self._pages, self.admitted.values())) + self._pages(candidate) <= self.capacity
+        if self._queue_closed or (busy and not fits):
+            # First come, first served: a program that came later never passes one left waiting.
+            self._queue_closed = True
+            self.refusals += 1
+            return False
+        self.admitted[seq.key] = candidate
+        return True
+
+    def _pages(self, p: Program) -> int:
+        return -(-p.working_set() // self.page_size)
+
+    def evict(self, key: str) -> None:
+        """The program's running request was preempted: its place goes, and
+        it is admitted again, whole, once it fits."""
+        self.admitted.pop(key, None)
+
+    def _note_turn(self, p: Program, req: Request) -> None:
+        seq = req.seq
+        p.delta = len(seq.tokens) - seq.table.length
+        p.reply = req.params.max_tokens if req.params is not None else 0
+
+    def counts(self, waiting: list[Request], idle: list[Sequence]) -> dict[str, int]:
+        """Programs admitted; queued (a request waits, no place); parked (KV
+        held or offloaded, no request, no place)."""
+        queued = {r.seq.key for r in waiting} - self.admitted.keys()
+        parked = {s.key for s in idle if not s.busy and len(s)} - self.admitted.keys() - queued
+        return {"admitted": len(self.admitted), "queued": len(queued), "parked": len(parked)}

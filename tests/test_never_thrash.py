@@ -1,0 +1,171 @@
+"""Many agents under KV pressure: running work is never thrown away to keep
+idle KV, a preempted request is not preempted again before it makes
+progress, and programs (a session's turns) are admitted whole only while
+their KV fits, queued rather than thrashed."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from agentkv import Engine
+from agentkv.engine.limits import Limits
+from agentkv.engine.retention import RetentionConfig
+from tests.hf_models import make_hf_model
+from tests.test_kv_tier import ids
+
+PS = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("thrash")
+    make_hf_model("llama-gqa-llama3rope-tied", path, seed=7)
+    return path
+
+
+@pytest.fixture(scope="module")
+def roomy(ckpt):
+    return Engine.from_pretrained(ckpt, page_size=PS, num_pages=1024, prefix_cache=False)
+
+
+def alone(roomy: Engine, turns: list[list[int]], gen: int) -> list[list[int]]:
+    """Each turn's greedy reply, the program run by itself with room to spare."""
+    out = []
+    with roomy.session() as s:
+        for delta in turns:
+            s.queue(delta)
+            out.append(s.generate(max_tokens=gen, ignore_eos=True, speculative=False))
+    return out
+
+
+def test_running_work_is_never_preempted_while_idle_pinned_kv_holds_pages(ckpt):
+    # The pool: 40 pages. Two idle sessions inside long tool pins hold 10 each;
+    # an older conversation's generation needs more than what is left.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=40, prefix_cache=False, program_admission=False,
+                                    kv_offload_bytes=0)
+    idle = [engine.session() for _ in range(2)]
+    for i, s in enumerate(idle):
+        s.append(ids(40, 10 + i))
+        s.end_turn(["build"], expected_s=1000.0)  # pinned far longer than this test
+    running = engine.session()  # the youngest conversation: every other request outranks it
+    running.queue(ids(30, 20))
+    low = running.start_generate(max_tokens=20, ignore_eos=True, speculative=False)
+    for _ in range(3):
+        engine.scheduler.step()
+    assert running.table.pages and low.output
+    older = engine.session()
+    older.queue(ids(50, 30))
+    # An older conversation's turn: it outranks `low`, yet the idle pinned KV goes first.
+    older_req = older.start_generate(max_tokens=8, ignore_eos=True, speculative=False)
+    engine.scheduler.wait(older_req)
+    engine.scheduler.wait(low)
+    assert older_req.error is None and low.error is None
+    assert low.preemptions == 0 and engine.scheduler.counters.preemptions == 0
+    assert any(not s.table.pages for s in idle)  # an idle pinned session gave way instead
+    for s in idle + [running, older]:
+        s.close()
+
+
+def test_a_preempted_request_is_not_preempted_again_before_it_progresses(ckpt, roomy):
+    # Three conversations, oldest first, in a pool that holds about two: the
+    # youngest gives way, but once only until it has drawn a new token.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=26, prefix_cache=False, program_admission=False,
+                                    kv_offload_bytes=0, limits=Limits(max_num_batched_tokens=16, prefill_chunk=8))
+    prompts = [ids(24, 40 + i) for i in range(3)]
+    sessions = [engine.session() for _ in prompts]
+    reqs = []
+    for s, p in zip(reversed(sessions), reversed(prompts)):  # the youngest starts first
+        s.queue(p)
+        reqs.append(s.start_generate(max_tokens=24, ignore_eos=True, speculative=False))
+    for r in reqs:
+        engine.scheduler.wait(r)
+    assert all(r.error is None for r in reqs)
+    assert [r.output for r in reversed(reqs)] == [alone(roomy, [p], 24)[0] for p in prompts]
+    c = engine.scheduler.counters
+    assert c.preemptions > 0  # the pool really was too small for all three
+    assert c.repeat_preemptions == 0 or all(r.preemptions <= 1 + len(r.output) for r in reqs)
+    for s in sessions:
+        s.close()
+
+
+def test_admission_queues_a_program_rather_than_thrash(ckpt, roomy):
+    # Each program: a 40-token prompt and 3 turns of 12 more + 12 drawn, about
+    # 120 tokens: the 32-page pool (128 tokens) holds one, not two at once.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0,
+                                    retention=RetentionConfig(tool_ttl_floor=0.0),
+                                    limits=Limits(max_num_batched_tokens=16, prefill_chunk=8))
+    programs = [[ids(40, 60 + i)] + [ids(12, 70 + 10 * i + t) for t in range(2)] for i in range(3)]
+    sessions = [engine.session() for _ in programs]
+    replies: list[list[list[int]]] = [[] for _ in programs]
+    turn = [0] * len(programs)
+    pending = {}
+    for i, s in enumerate(sessions):
+        s.queue(programs[i][0])
+        pending[i] = s.start_generate(max_tokens=12, ignore_eos=True, speculative=False)
+    while pending:
+        engine.scheduler.step()
+        for i, r in list(pending.items()):
+            if not r.done.is_set():
+                continue
+            assert r.error is None
+            replies[i].append(r.output)
+            turn[i] += 1
+            del pending[i]
+            if turn[i] < len(programs[i]):
+                # The next turn at once, as an agent whose tool returned: the program is still running.
+                sessions[i].queue(programs[i][turn[i]])
+                pending[i] = sessions[i].start_generate(max_tokens=12, ignore_eos=True, speculative=False)
+    assert replies == [alone(roomy, p, 12) for p in programs]
+    c = engine.scheduler.counters
+    assert engine.scheduler.programs.refusals > 0  # programs waited whole
+    assert c.preemptions == 0  # nothing thrashed
+    for s in sessions:
+        s.close()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(8, 30), st.integers(1, 3), st.integers(4, 10)), min_size=3, max_size=6),
+       st.integers(0, 10**6), st.booleans())
+def test_many_programs_in_a_third_of_their_working_set(ckpt, roomy, shapes, seed, admission):
+    """Every program finishes with the replies it gets alone, and no request
+    is preempted twice without progress between, admission on or off."""
+    programs = [[ids(n, seed + 31 * i)] + [ids(6, seed + 31 * i + t + 1) for t in range(turns - 1)]
+                for i, (n, turns, _) in enumerate(shapes)]
+    gens = [g for _, _, g in shapes]
+    working_set = sum(len(sum(p, [])) + g * len(p) for p, g in zip(programs, gens))
+    biggest = max(len(sum(p, [])) + g * len(p) for p, g in zip(programs, gens))
+    pages = max(working_set // 3, biggest + 2 * PS) // PS + 2
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=pages, prefix_cache=False, kv_offload_bytes=0,
+                                    program_admission=admission, pin_ttl=0.0,
+                                    limits=Limits(max_num_batched_tokens=16, prefill_chunk=8))
+    sessions = [engine.session() for _ in programs]
+    replies: list[list[list[int]]] = [[] for _ in programs]
+    pending = {}
+    for i, s in enumerate(sessions):
+        s.queue(programs[i][0])
+        pending[i] = s.start_generate(max_tokens=gens[i], ignore_eos=True, speculative=False)
+    all_reqs = list(pending.values())
+    while pending:
+        engine.scheduler.step()
+        engine.pool.check()
+        for i, r in list(pending.items()):
+            if r.done.is_set():
+                assert r.error is None, r.error
+                replies[i].append(r.output)
+                del pending[i]
+                t = len(replies[i])
+                if t < len(programs[i]):
+                    sessions[i].queue(programs[i][t])
+                    pending[i] = sessions[i].start_generate(max_tokens=gens[i], ignore_eos=True, speculative=False)
+                    all_reqs.append(pending[i])
+    assert replies == [alone(roomy, p, g) for p, g in zip(programs, gens)]
+    c = engine.scheduler.counters
+    event(f"admission={admission} preempted={c.preemptions > 0} refused={engine.scheduler.programs.refusals > 0}")
+    assert c.repeat_preemptions == sum(max(0, r.preemptions - 1) for r in all_reqs)
+    if admission:  # programs that do not fit wait whole: nothing is preempted twice
+        assert c.repeat_preemptions == 0
+    else:  # thrash is possible, but each repeat needs progress in between
+        assert all(r.preemptions <= 1 + len(r.output) for r in all_reqs)
+    for s in sessions:
+        s.close()
