@@ -123,6 +123,22 @@ def timelines(base_url: str, run_tag: str, agents: list[str]) -> list[dict]:
     return out
 
 
+def needed_tokens(records: list, shared_prefix: int) -> int:
+    """Prompt tokens no system can avoid computing: each agent's first prompt
+    and each later turn's new tokens (its prompt less the one before and the
+    reply drawn then), the agents' shared prefix once. What a server computes
+    beyond this it computed before and lost (recomputation)."""
+    needed = 0
+    for agent in records:
+        prev = None
+        for t in agent.turns:
+            if t.error:
+                break
+            needed += t.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0)
+            prev = t
+    return needed - (len(records) - 1) * shared_prefix
+
+
 def timeline_summary(turns: list[dict]) -> dict:
     return {f"{k}_median": statistics.median(t[k] for t in turns) if turns else float("nan") for k in TIMELINE} | {
         f"{k}_total": sum(t[k] for t in turns) for k in TIMELINE}
@@ -195,8 +211,10 @@ def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespac
     computed = counters["computed_tokens"]
     if computed is None and counters["vllm_cached_tokens"] is not None:
         computed = counters["prompt_tokens_server"] - counters["vllm_cached_tokens"]
+    needed = needed_tokens(records, budget["shared_prefix_tokens"])
     row = {"system": system, "agents": n_agents, **budget, **summarize(records, wall), **counters,
-           "computed_server": computed, "kv_bytes": kv_bytes(system, budget), "timeline": turns,
+           "computed_server": computed, "needed_tokens": needed,
+           "recomputed_tokens": None if computed is None else max(0, computed - needed), "kv_bytes": kv_bytes(system, budget), "timeline": turns,
            **timeline_summary(turns), "startup_s": server.startup_s, "records": records_json(records)}
     if system == "vllm-apc":
         row["vllm_kv_log"] = vllm_kv_line(log)
@@ -232,7 +250,7 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "job s p50",
-           "job s p90", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "restored",
+           "job s p90", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored",
            "hit rate", "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s",
            "replies = first"]
 TIMELINE_HEADERS = ["system", "agents", "KV / working set", "turns", "queued s p50", "prefill s p50", "decode s p50",
@@ -249,7 +267,8 @@ def table_rows(rows: list[dict]) -> list[list]:
             f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
             f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), fmt(r["job_s_median"]), fmt(r["job_s_p90"]),
             fmt(r["turn_s_p50"], ".2f"), fmt(r["turn_s_p90"], ".2f"), r["prompt_tokens"], r["reused_tokens"],
-            fmt(r["computed_server"], ".0f"), fmt(r["restored_tokens"], ".0f"), fmt(hit, ".2f"),
+            fmt(r["computed_server"], ".0f"), fmt(r["recomputed_tokens"], ".0f"), fmt(r["restored_tokens"], ".0f"),
+            fmt(hit, ".2f"),
             f"{fmt(r['preemptions'], '.0f')} ({fmt(r['repeat_preemptions'], '.0f')})", fmt(r["admission_refusals"], ".0f"),
             f"{fmt(mb(r['offload_bytes']))} / {fmt(r['offload_s'], '.2f')}",
             f"{fmt(mb(r['restore_bytes']))} / {fmt(r['restore_s'], '.2f')}",

@@ -1,12 +1,13 @@
 """The main job: many tool-calling agents at once on one engine, each
 pausing while its tools run, with a KV pool that holds only part of their
 working set: the regime where keeping an agent's KV across its tool pause
-matters. Three ways to serve it, in-process, same model, same pool size:
+matters. Three ways to serve it, in-process, same model, the same KV
+memory in all (on a CPU a host tier would be the same RAM, so none has one):
 
 - stateful: a session per agent, retention="tool" (a session whose turn
   ended on a tool call keeps its KV pinned for the pause its tool usually
-  takes) and a host tier (what must leave the pool is kept in host memory
-  and restored on the agent's next turn);
+  takes; idle KV gives way before running work) and program admission
+  (agents admitted whole while their KV fits);
 - stateless: every turn re-prefills the whole history;
 - block-hash: a fresh session per request, prefix reuse in whole pages,
   plain LRU, no host tier, as vLLM's automatic prefix caching serves it.
@@ -54,13 +55,13 @@ def engine_client(engine: Engine, agents: list[str] | None) -> Client:
     return call
 
 
-def system_engine(system: str, base: Engine, kv_bytes: int, offload_bytes: int) -> Engine:
+def system_engine(system: str, base: Engine, kv_bytes: int) -> Engine:
     kwargs = {
-        "stateful": {"retention": "tool", "kv_offload_bytes": offload_bytes},
+        "stateful": {"retention": "tool"},
         "stateless": {"stateless": True},
-        "block-hash": {"prefix_match": "block", "retention": "lru", "kv_offload_bytes": 0},
+        "block-hash": {"prefix_match": "block", "retention": "lru", "program_admission": False},
     }[system]
-    return Engine(base.model, base.tokenizer, kv_cache_bytes=kv_bytes, **kwargs)
+    return Engine(base.model, base.tokenizer, kv_cache_bytes=kv_bytes, kv_offload_bytes=0, **kwargs)
 
 
 def agents_run(args: argparse.Namespace) -> dict:
@@ -74,8 +75,7 @@ def agents_run(args: argparse.Namespace) -> dict:
     pauses = Pauses(args.seed, args.pause_scale)
     rows = []
     for system in parse_systems(args.systems, SYSTEMS):
-        engine = system_engine(system, base, budget["tokens"] * token_bytes,
-                               budget["working_set_tokens"] * token_bytes)
+        engine = system_engine(system, base, budget["tokens"] * token_bytes)
         client = engine_client(engine, [c.agent for c in wf.conversations] if system == "stateful" else None)
         engine.scheduler.start()
         try:
@@ -84,7 +84,9 @@ def agents_run(args: argparse.Namespace) -> dict:
         finally:
             engine.scheduler.stop()
         totals = engine.scheduler.turn_totals
-        rows.append({"system": system, **summarize(records, wall), "computed_tokens": int(totals.get("computed_tokens", 0)),
+        kv_bytes = engine.pool.num_pages * engine.pool.page_size * token_bytes
+        rows.append({"system": system, **summarize(records, wall), "kv_bytes": kv_bytes,
+                     "computed_tokens": int(totals.get("computed_tokens", 0)),
                      "restored_tokens": int(totals.get("restored_tokens", 0)),
                      "preemptions": engine.scheduler.counters.preemptions})
     return {"agents": args.agents, **budget, "pause_scale": args.pause_scale, "rows": rows}
@@ -96,10 +98,11 @@ def print_agents(res: dict, args: argparse.Namespace) -> None:
           f"KV pool {res['tokens']} tokens = {res['headroom']:.0%} of their working set ({res['working_set_tokens']}; "
           f"{res['distinct_tokens']} with their shared prefix once); tool pauses 0.2-20 s x{args.pause_scale} "
           f"({pauses:.0f} s in all)")
-    body = [[r["system"], f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), r["job_s_median"],
+    body = [[r["system"], f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]),
+             r["job_s_median"],
              r["job_s_p90"], f"{r['turn_s_p50']:.2f}", f"{r['turn_s_p90']:.2f}", r["computed_tokens"], r["prompt_tokens"],
              r["reused_tokens"], r["restored_tokens"], r["preemptions"], r["wall_s"]] for r in res["rows"]]
-    print(table(["system", "turns", "errors", "job s p50", "job s p90", "turn s p50", "turn s p90", "computed tok",
+    print(table(["system", "KV MB in all", "turns", "errors", "job s p50", "job s p90", "turn s p50", "turn s p90", "computed tok",
                  "prompt tok", "reused tok", "of which restored", "preemptions", "wall s"], body))
 
 
