@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from agentkv.engine.request import Request
 from agentkv.engine.sequence import Sequence
@@ -30,28 +31,18 @@ from agentkv.engine.sequence import Sequence
 @dataclass(eq=False)
 class Program:
     key: str
-    sequences: set[Sequence]  # its live ones: the session and any fork working a turn
     delta: int = 0  # tokens its latest turn queued beyond what was held
     reply: int = 0  # tokens its latest turn may draw
 
-    def held(self) -> int:
-        return max((len(s) for s in self.sequences), default=0)
-
-    def working_set(self) -> int:
-        return self.held() + self.delta + self.reply
-
-    def active(self) -> bool:
-        return any(s.busy for s in self.sequences)
-
-    def idle_past_pin(self, now: float) -> bool:
-        return not self.active() and all(s.pin_ttl is not None and now - s.idle_since >= s.pin_ttl
-                                         for s in self.sequences)
-
 
 class ProgramAdmission:
-    def __init__(self, capacity_pages: int, page_size: int, enabled: bool = True):
+    def __init__(self, capacity_pages: int, page_size: int, family: Callable[[str], set[Sequence]],
+                 enabled: bool = True):
         self.capacity = capacity_pages  # the pool's plus the second tier's host memory's, in pages
         self.page_size = page_size
+        # A program's live sequences (Sequences.family): its session, and a fork
+        # working a turn, which the session adopts when the turn ends.
+        self.family = family
         self.enabled = enabled
         self.admitted: dict[str, Program] = {}
         self.refusals = 0  # requests a step left waiting for their program's admission
@@ -60,9 +51,10 @@ class ProgramAdmission:
     def start_pass(self) -> None:
         """A step's planning begins: places of programs that ended or went idle past their pin are freed."""
         now = time.monotonic()
-        for key, p in list(self.admitted.items()):
-            p.sequences = {s for s in p.sequences if not s.closed}
-            if not p.sequences or p.idle_past_pin(now):
+        for key in list(self.admitted):
+            family = self.family(key)
+            if not family or all(not s.busy and s.pin_ttl is not None and now - s.idle_since >= s.pin_ttl
+                                 for s in family):
                 del self.admitted[key]
         self._queue_closed = False
 
@@ -71,14 +63,13 @@ class ProgramAdmission:
         seq = req.seq
         p = self.admitted.get(seq.key)
         if p is not None:
-            p.sequences.add(seq)
             self._note_turn(p, req)
             return True
         if not self.enabled:
             return True
-        candidate = Program(seq.key, {seq})
+        candidate = Program(seq.key)
         self._note_turn(candidate, req)
-        busy = any(q.active() for q in self.admitted.values())
+        busy = any(s.busy for key in self.admitted for s in self.family(key))
         fits = sum(map(self._pages, self.admitted.values())) + self._pages(candidate) <= self.capacity
         if self._queue_closed or (busy and not fits):
             # First come, first served: a program that came later never passes one left waiting.
@@ -89,7 +80,9 @@ class ProgramAdmission:
         return True
 
     def _pages(self, p: Program) -> int:
-        return -(-p.working_set() // self.page_size)
+        """Its working set: the KV it holds, its last turn's delta again, and the reply it may draw."""
+        held = max((len(s) for s in self.family(p.key)), default=0)
+        return -(-(held + p.delta + p.reply) // self.page_size)
 
     def evict(self, key: str) -> None:
         """The program's running request was preempted: its place goes, and
@@ -104,6 +97,6 @@ class ProgramAdmission:
     def counts(self, waiting: list[Request], idle: list[Sequence]) -> dict[str, int]:
         """Programs admitted; queued (a request waits, no place); parked (KV
         held or offloaded, no request, no place)."""
-        queued = {r.seq.key for r in waiting} - self.admitted.keys()
+        queued = {r.seq.key for r in waiting} - self.admitted.keys() if self.enabled else set()
         parked = {s.key for s in idle if not s.busy and len(s)} - self.admitted.keys() - queued
         return {"admitted": len(self.admitted), "queued": len(queued), "parked": len(parked)}

@@ -72,7 +72,7 @@ class Scheduler:
         self.outputs = OutputProcessor(pool, policy, self.queue, self.drafters, self.counters, self.observers,
                                        max_context, limits.max_stats, decode)
         # Programs admitted whole while their KV fits (engine.programs); without one, every request is.
-        self.programs = programs or ProgramAdmission(0, pool.page_size, enabled=False)
+        self.programs = programs or ProgramAdmission(0, pool.page_size, sequences.family, enabled=False)
         self.planner = BatchPlanner(pool, policy, sequences, limits, self.queue, self.counters,
                                     DraftPlanner(self.drafters, max_context, self.observers), self.programs,
                                     self.outputs.fail)

@@ -26,6 +26,8 @@ class Sequences:
         self.pool, self.policy, self.max_sessions = pool, policy, max_sessions
         self.lock = threading.RLock()
         self.all: set[Sequence] = set()
+        # Live sequences by key: a session and the forks that work its turns.
+        self._families: dict[str, set[Sequence]] = {}
         # Called (under the lock) before a sequence is closed: the scheduler
         # fails whatever request it still has.
         self.on_close: Callable[[Sequence], None] = lambda seq: None
@@ -47,7 +49,12 @@ class Sequences:
             if key is not None:
                 seq.key = key
             self.all.add(seq)
+            self._families.setdefault(seq.key, set()).add(seq)
             return seq
+
+    def family(self, key: str) -> set[Sequence]:
+        """The live sequences under key (a copy); empty once all are closed."""
+        return set(self._families.get(key, ()))
 
     @contextmanager
     def idle(self, seq: Sequence) -> Iterator[None]:
@@ -137,7 +144,11 @@ class Sequences:
             seq.tokens.clear()
             seq.closed = True
             self.all.discard(seq)
-            self.policy.forget(seq, any(s.key == seq.key for s in self.all))
+            family = self._families[seq.key]
+            family.discard(seq)
+            if not family:
+                del self._families[seq.key]
+            self.policy.forget(seq, bool(family))
 
     def close_on_collect(self, handle: object, seq: Sequence) -> None:
         """Close seq when its handle is garbage collected (a dropped, unclosed

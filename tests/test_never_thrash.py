@@ -169,3 +169,22 @@ def test_many_programs_in_a_third_of_their_working_set(ckpt, roomy, shapes, seed
         assert all(r.preemptions <= 1 + len(r.output) for r in all_reqs)
     for s in sessions:
         s.close()
+
+
+def test_a_program_keeps_its_place_while_its_tool_runs(ckpt):
+    # A turn works on a fork that the session adopts when it ends: the
+    # program is the family, so its place outlives the fork.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, prefix_cache=False, kv_offload_bytes=0)
+    programs = engine.scheduler.programs
+    s = engine.session()
+    work = s.fork_for_turn()
+    work.queue(ids(20, 90))
+    work.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    s.adopt(work)
+    s.end_turn(["build"], expected_s=1000.0)
+    programs.start_pass()
+    assert list(programs.admitted) == [s.key]  # pinned for its tool: it keeps its place
+    s.end_turn([])  # a final answer: pinned for final_ttl (0), its place goes
+    programs.start_pass()
+    assert not programs.admitted
+    s.close()
