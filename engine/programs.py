@@ -69,15 +69,22 @@ class ProgramAdmission:
             return True
         candidate = Program(seq.key)
         self._note_turn(candidate, req)
-        busy = any(s.busy for key in self.admitted for s in self.family(key))
-        fits = sum(map(self._pages, self.admitted.values())) + self._pages(candidate) <= self.capacity
-        if self._queue_closed or (busy and not fits):
+        # Once one program waits this step, the rest do (checked first: a
+        # long queue costs the step nothing more); else it must fit while
+        # any admitted program is running.
+        if self._queue_closed or (self._running() and not self._fits(candidate)):
             # First come, first served: a program that came later never passes one left waiting.
             self._queue_closed = True
             self.refusals += 1
             return False
         self.admitted[seq.key] = candidate
         return True
+
+    def _running(self) -> bool:
+        return any(s.busy for key in self.admitted for s in self.family(key))
+
+    def _fits(self, candidate: Program) -> bool:
+        return sum(map(self._pages, self.admitted.values())) + self._pages(candidate) <= self.capacity
 
     def _pages(self, p: Program) -> int:
         """Its working set: the KV it holds, its last turn's delta again, and the reply it may draw."""
