@@ -32,7 +32,7 @@ from agentkv.engine.turn import Conversation, Turn, TurnResult
 from agentkv.model.config import ModelConfig
 from agentkv.model.default import default_model_dir
 from agentkv.model.llama import Transformer
-from agentkv.model.loader import load_model, parse_dtype
+from agentkv.model.loader import load_model, load_tokenizer, parse_dtype
 from agentkv.model.tokenizer import Tokenizer
 from agentkv.spec.drafters import Drafters
 
@@ -184,14 +184,13 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         **kwargs,
     ) -> "Engine":
-        """Load a Hugging Face checkpoint directory; with no path, the embedded
+        """Load a Hugging Face checkpoint directory or a GGUF file; with no path, the embedded
         default model (made on first use, no download). dtype "auto": the
         checkpoint's own where the device computes in it (model.loader.resolve_dtype)."""
         path = Path(path) if path is not None else default_model_dir()
         parse_dtype(dtype)  # a bad name fails before the default model is made
         model = load_model(path, dtype, device)
-        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, load_tokenizer(path), **kwargs)
 
     def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *,
                 tokens: list[int] = (), key: str | None = None) -> Session:

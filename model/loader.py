@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in, Hugging Face checkpoints out.
+"""Hugging Face checkpoints (or GGUF files) in, Hugging Face checkpoints out.
 
 Reads config.json and model.safetensors (or a sharded
 model.safetensors.index.json) into the hand-written Transformer, fusing q/k/v
@@ -16,7 +16,10 @@ from safetensors.torch import save_file
 
 from agentkv.model.config import ModelConfig
 from agentkv.model.errors import ModelLoadError
+from agentkv.model.gguf_file import is_gguf, read_gguf_weights
+from agentkv.model.gguf_tokenizer import gguf_tokenizer
 from agentkv.model.llama import Transformer, is_linear_weight
+from agentkv.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,13 +96,29 @@ def _shard_files(path: Path) -> dict[str, Path]:
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
-    path = Path(path)
-    cfg = ModelConfig.from_dir(path)
-    torch_dtype = resolve_dtype(dtype, cfg, device)
-    files = _shard_files(path)
+def _assemble(cfg: ModelConfig, tensors: dict[str, torch.Tensor], torch_dtype: torch.dtype,
+              device: str | torch.device, source: Path) -> Transformer:
+    """The Transformer from HF-named tensors: q/k/v and gate/up fused, projections transposed."""
     model = Transformer(cfg, torch_dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
+    for ours, names in _hf_sources(cfg).items():
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ModelLoadError(f"checkpoint {source} lacks tensor {missing[0]!r}")
+        value = torch.cat([tensors[n] for n in names], dim=0)
+        if is_linear_weight(ours):
+            value = value.t()
+        if value.shape != params[ours].shape:
+            raise ModelLoadError(
+                f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
+            )
+        with torch.no_grad():  # not .data: the copy must move the version counter (packed_linear.PackedWeights)
+            params[ours].copy_(value)
+    return model
+
+
+def _read_safetensors(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    files = _shard_files(path)
     by_file: dict[Path, list[str]] = {}
     for names in _hf_sources(cfg).values():
         for name in names:
@@ -111,17 +130,29 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         with safe_open(file, framework="pt") as f:
             for name in names:
                 tensors[name] = f.get_tensor(name)
-    for ours, names in _hf_sources(cfg).items():
-        value = torch.cat([tensors[n] for n in names], dim=0)
-        if is_linear_weight(ours):
-            value = value.t()
-        if value.shape != params[ours].shape:
-            raise ModelLoadError(
-                f"tensor {' + '.join(names)} has shape {tuple(value.shape)}, expected {tuple(params[ours].shape)}"
-            )
-        with torch.no_grad():  # not .data: the copy must move the version counter (packed_linear.PackedWeights)
-            params[ours].copy_(value)
-    return model
+    return tensors
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
+    """A Hugging Face checkpoint directory or a GGUF file (dequantized to dtype)."""
+    path = Path(path)
+    if is_gguf(path):
+        weights = read_gguf_weights(path)
+        cfg, tensors = weights.config, weights.tensors
+    elif path.is_file():
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a checkpoint directory")
+    else:
+        cfg = ModelConfig.from_dir(path)
+        tensors = _read_safetensors(path, cfg)
+    return _assemble(cfg, tensors, resolve_dtype(dtype, cfg, device), device, path)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer: a GGUF file's own, a directory's tokenizer.json, else None."""
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_tokenizer(path)
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
 def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
