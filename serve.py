@@ -37,7 +37,9 @@ def serve(argv: list[str]) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face checkpoint directory, a GGUF file, or an adapter directory over a base "
+                             "(model/lora.py) (default: the embedded model)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32",

