@@ -40,6 +40,8 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--model", default=None,
                         help="a Hugging Face checkpoint directory, a GGUF file, or an adapter directory over a base "
                              "(model/lora.py) (default: the embedded model)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file that replaces the model's own (as vLLM's flag)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32",
@@ -147,7 +149,7 @@ def serve(argv: list[str]) -> None:
     from agentkv.kernels.dispatch import build_cpu_kernels
     from agentkv.engine.api import create_app
 
-    name = args.served_model_name or (Path(args.model).resolve().name if args.model else "agentkv-default")
+    name = args.served_model_name or (Path(args.model).resolve().stem if args.model else "agentkv-default")
     log.info("loading %s", args.model or "the embedded default model")
     try:
         retention = RetentionConfig(mode=args.kv_retention, tool_ttl_default=args.tool_ttl_default,
@@ -160,6 +162,7 @@ def serve(argv: list[str]) -> None:
                         max_concurrent=args.tenant_max_concurrent, max_kv_pages=args.tenant_max_kv_pages,
                         max_body_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens)
         keys = ApiKeys.from_args(args.api_key, args.api_keys_file)
+        chat_template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     except (ValueError, OSError) as e:  # ApiKeysError is a ValueError
         parser.error(str(e))
     if args.device == "cpu":
@@ -173,7 +176,7 @@ def serve(argv: list[str]) -> None:
              (pool_bytes + tier_bytes) / 2**30, " (the tier out of --kv-cache-gb: on a CPU it is the same RAM)"
              if args.device == "cpu" and args.kv_offload_gb is None and tier_bytes else "")
     engine = Engine.from_pretrained(
-        args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=pool_bytes,
+        args.model, device=args.device, dtype=args.dtype, chat_template=chat_template, kv_cache_bytes=pool_bytes,
         constrain_auto=not args.no_constrain_auto, limits=limits, retention=retention, continuation=args.continuation,
         program_admission=not args.no_program_admission, kv_offload_bytes=tier_bytes,
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),

@@ -31,6 +31,7 @@ from agentkv.engine.stats import EngineMetrics, TurnStats
 from agentkv.engine.turn import Conversation, Turn, TurnResult
 from agentkv.model.config import ModelConfig
 from agentkv.model.default import default_model_dir
+from agentkv.model.errors import ModelLoadError
 from agentkv.model.llama import Transformer
 from agentkv.model.loader import load_model, load_tokenizer, parse_dtype
 from agentkv.model.tokenizer import Tokenizer
@@ -182,15 +183,22 @@ class Engine:
         path: str | Path | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
+        chat_template: str | None = None,
         **kwargs,
     ) -> "Engine":
         """Load a Hugging Face checkpoint directory or a GGUF file; with no path, the embedded
         default model (made on first use, no download). dtype "auto": the
-        checkpoint's own where the device computes in it (model.loader.resolve_dtype)."""
+        checkpoint's own where the device computes in it (model.loader.resolve_dtype).
+        chat_template: a template that replaces the checkpoint's own."""
         path = Path(path) if path is not None else default_model_dir()
         parse_dtype(dtype)  # a bad name fails before the default model is made
         model = load_model(path, dtype, device)
-        return cls(model, load_tokenizer(path), **kwargs)
+        tokenizer = load_tokenizer(path)
+        if chat_template is not None:
+            if tokenizer is None:
+                raise ModelLoadError(f"{path} has no tokenizer to give a chat template to")
+            tokenizer = tokenizer.with_chat_template(chat_template)
+        return cls(model, tokenizer, **kwargs)
 
     def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *,
                 tokens: list[int] = (), key: str | None = None) -> Session:

@@ -15,12 +15,18 @@ from agentkv.model.errors import ModelLoadError
 from agentkv.model.llama import Transformer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "agent-8m"
+# The fast model of the unit tests, named apart from the default.
+SMALL_MODEL_DIR = DEFAULT_MODEL_DIR
 
 
 def default_model_dir() -> Path:
     if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
         raise ModelLoadError(f"the embedded default model is missing from {DEFAULT_MODEL_DIR}")
     return DEFAULT_MODEL_DIR
+
+
+def small_model_dir() -> Path:
+    return default_model_dir()
 
 
 def random_init(model: Transformer, seed: int) -> None:

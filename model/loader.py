@@ -185,8 +185,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
         template = path / "chat_template.jinja"
         if base is None or not template.is_file():
             return base
-        return Tokenizer(base.backend, {"default": template.read_text(encoding="utf-8")}, base.special_tokens,
-                         base.eos_token_ids, base.max_new_tokens)
+        return base.with_chat_template(template.read_text(encoding="utf-8"))
     if is_gguf(path):
         return gguf_tokenizer(path)
     return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
@@ -213,9 +212,9 @@ def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> dict[str
     return out
 
 
-def save_model(model: Transformer, path: str | Path, hf_config: dict) -> None:
-    """Write model.safetensors and config.json in Hugging Face layout."""
+def save_model(model: Transformer, path: str | Path, hf_config: dict, dtype: torch.dtype | None = None) -> None:
+    """Write model.safetensors (in dtype if given) and config.json in Hugging Face layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_tensors(model, dtype), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))

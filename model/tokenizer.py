@@ -230,6 +230,11 @@ class Tokenizer:
         return cls(backend, _chat_templates(path, config), _special_tokens(config, special_tokens_map), eos_ids,
                    budget)
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """The same tokenizer with template as its only chat template."""
+        return Tokenizer(self.backend, {"default": template}, self.special_tokens, self.eos_token_ids,
+                         self.max_new_tokens)
+
     def _required_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)
         if token_id is None:

@@ -14,7 +14,7 @@ from agentkv.engine import Engine  # noqa: E402
 from agentkv.model.errors import ModelLoadError, UnsupportedModelError  # noqa: E402
 from agentkv.model.loader import load_model, load_tokenizer  # noqa: E402
 from agentkv.model.tokenizer import Tokenizer  # noqa: E402
-from agentkv.model.default import DEFAULT_MODEL_DIR  # noqa: E402
+from agentkv.model.default import SMALL_MODEL_DIR  # noqa: E402
 from tests.gguf_files import TEMPLATE, random_llama, write_gguf  # noqa: E402
 
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -79,7 +79,7 @@ def test_config_from_metadata(tmp_path):
 def test_tokenizer_from_metadata_matches_the_source_tokenizer(tmp_path, pre):
     path = write_gguf(random_llama(tied=True), tmp_path / "x.gguf", "Q8_0", pre=pre)
     ours = load_tokenizer(path)
-    source = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
+    source = Tokenizer.from_dir(SMALL_MODEL_DIR)
     texts = ["Hello world", "call <tool_call>{\"name\": \"f\"}</tool_call> now", "  spaces\n\nand\ttabs",
              "naïve café ünïcode — 東京", "<|im_start|>user\nhi<|im_end|>", "x=12345, y=-0.5"]
     for text in texts:
@@ -141,3 +141,22 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
     path.write_bytes(b"not a model")
     with pytest.raises(ModelLoadError, match="neither a GGUF file"):
         load_model(path)
+
+
+def test_export_to_hf_gives_transformers_the_same_model_and_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from agentkv.model.export import export_hf
+
+    path = write_gguf(random_llama(tied=True), tmp_path / "x.gguf", "Q4_1")
+    out = export_hf(path, tmp_path / "hf", dtype="float32")
+    theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = theirs(PROMPT).logits[0]
+    torch.testing.assert_close(_our_logits(path, PROMPT), expected, atol=2e-4, rtol=2e-4)
+    messages = [{"role": "user", "content": "hi <tool_call> 12345"}]
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    ours = load_tokenizer(path)
+    assert hf_tok.apply_chat_template(messages, tokenize=False) == ours.apply_chat_template(messages, tokenize=False)
+    assert hf_tok("hi <tool_call> naïve 12345", add_special_tokens=False)["input_ids"] == \
+        ours.encode("hi <tool_call> naïve 12345")

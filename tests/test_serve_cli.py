@@ -9,17 +9,20 @@ import pytest
 import uvicorn
 
 from agentkv import serve
+from agentkv.model.default import SMALL_MODEL_DIR
+
+SMALL = str(SMALL_MODEL_DIR)  # the fast model: these tests are about the command line
 
 
 @pytest.fixture
 def uvicorn_calls(monkeypatch) -> list[dict]:
     calls: list[dict] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append({"app": app, **kwargs}))
     return calls
 
 
 def test_idle_connections_outlive_the_openai_clients_pool(uvicorn_calls):
-    serve.serve(["--kv-cache-gb", "0.02", "--port", "8123"])
+    serve.serve(["--model", SMALL, "--kv-cache-gb", "0.02", "--port", "8123"])
     (kwargs,) = uvicorn_calls
     assert kwargs["port"] == 8123
     # The client drops an idle connection before the server would: never the other way round.
@@ -27,7 +30,7 @@ def test_idle_connections_outlive_the_openai_clients_pool(uvicorn_calls):
 
 
 def test_the_keep_alive_is_the_operators_to_set(uvicorn_calls):
-    serve.serve(["--kv-cache-gb", "0.02", "--timeout-keep-alive", "300"])
+    serve.serve(["--model", SMALL, "--kv-cache-gb", "0.02", "--timeout-keep-alive", "300"])
     assert uvicorn_calls[-1]["timeout_keep_alive"] == 300
 
 
@@ -41,5 +44,20 @@ def test_on_a_cpu_the_kv_budget_is_the_pool_and_the_tier_together():
 
 def test_the_server_logs_how_kv_memory_is_split(uvicorn_calls, caplog):
     caplog.set_level("INFO")
-    serve.serve(["--kv-cache-gb", "0.02"])
+    serve.serve(["--model", SMALL, "--kv-cache-gb", "0.02"])
     assert any("KV memory" in r.getMessage() and "host tier" in r.getMessage() for r in caplog.records)
+
+
+def test_a_chat_template_file_replaces_the_models_own(tmp_path, uvicorn_calls):
+    from fastapi.testclient import TestClient
+
+    from agentkv.model.tokenizer import Tokenizer
+
+    template = tmp_path / "t.jinja"
+    template.write_text("<<{{ messages[0].content }}>>")
+    serve.serve(["--model", SMALL, "--kv-cache-gb", "0.02", "--chat-template", str(template)])
+    with TestClient(uvicorn_calls[-1]["app"]) as client:
+        r = client.post("/v1/chat/completions", json={"model": "agent-8m", "max_tokens": 1,
+                                                      "messages": [{"role": "user", "content": "hi there"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(Tokenizer.from_dir(SMALL_MODEL_DIR).encode("<<hi there>>"))
