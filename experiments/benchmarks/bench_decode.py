@@ -328,12 +328,20 @@ def run(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.pin and max(threads) > len(args.pin):
         raise SystemExit(f"--pin {','.join(map(str, args.pin))} gives fewer vCPUs than {max(threads)} threads")
-    path = prepare_checkpoint(args.shape, args.seed)
-    cfg = ModelConfig.from_dir(path)
+    if args.gguf:  # a real GGUF file: ours dequantizes it to each dtype, llama.cpp runs it as it is
+        from agentkv.model.base_model import fetch
+        from agentkv.model.loader import load_model, load_tokenizer
+
+        path = fetch() if args.gguf == "smollm2" else Path(args.gguf)
+        cfg = load_model(path, "float32").cfg
+        tok = load_tokenizer(path)
+    else:
+        path = prepare_checkpoint(args.shape, args.seed)
+        cfg = ModelConfig.from_dir(path)
+        tok = Tokenizer.from_dir(path)
     if max(contexts) + args.decode_tokens + 16 > cfg.max_position_embeddings:
         raise SystemExit(f"contexts up to {max(contexts)} + {args.decode_tokens} exceed the checkpoint's "
                          f"{cfg.max_position_embeddings} positions")
-    tok = Tokenizer.from_dir(path)
     avoid = {t for t in (tok.bos_token_id, *tok.eos_token_ids) if t is not None}
     vocab = min(tok.vocab_size, cfg.vocab_size)
     prompts = {c: prompt_ids(vocab, c, args.seed, avoid) for c in contexts}
@@ -341,6 +349,8 @@ def run(args) -> dict:
     skipped: dict[str, str] = {}
     for s in systems:
         why = vllm_status() if s == "vllm" else llamacpp_status() if s == "llamacpp" else None
+        if s == "vllm" and args.gguf:
+            why = "--gguf: vLLM runs Hugging Face checkpoints, not this file"
         if why:
             skipped[s] = why
     ran = [s for s in systems if s not in skipped]
@@ -423,7 +433,8 @@ def report(res: dict) -> str:
         "against; prefetch: the tiles the attention prefetches ahead (0: none), as tuned on its pool "
         "(kernels/cpu_paged_attention.tune_prefetch); step GB/s: the bound's bytes over ms; "
         "greedy agree: share of the first request's tokens equal to ours before the first difference (random "
-        f"weights: near-flat logits); llama.cpp GGUF: {res['llamacpp_gguf']}")
+        f"weights: near-flat logits); llama.cpp GGUF: "
+        f"{'the file itself, ' + Path(res['model']).name if res['args'].get('gguf') else res['llamacpp_gguf']}")
     lines.append(f"wall: {res['wall_s']:.0f} s; 1-minute load average before / after: "
                  f"{res['load_1min'][0]:.1f} / {res['load_1min'][1]:.1f} (2 cores: above 2, other work shared them)")
     for s, why in res["skipped"].items():
@@ -471,6 +482,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed requests per system and context")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES), help="random-init model shape")
     p.add_argument("--seed", type=int, default=0, help="the weights' and the prompts' seed")
+    p.add_argument("--gguf", default=None, help="a GGUF file instead of random weights (smollm2: the real "
+                   "model's base, fetched); ours dequantizes it, llama.cpp runs the file itself")
     p.add_argument("--page-size", type=int, default=16, help="the engine's page size")
     p.add_argument("--llamacpp-half", default="bf16", choices=["bf16", "f16"],
                    help="llama.cpp's GGUF and KV type for --dtypes bfloat16")

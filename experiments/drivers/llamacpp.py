@@ -43,9 +43,11 @@ def llamacpp_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, t
         ctx_len[key] = max(ctx_len.get(key, 0), len(r.ids) + r.gen + 16)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     gguf_type = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-    # Converted once per checkpoint, kept out of the checkpoint's own folder (it may be tracked).
-    tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    gguf = ROOT / "runs" / "gguf" / f"{path.resolve().name}-{tag}-{gguf_type}.gguf"
+    if path.is_file():  # a GGUF file: llama.cpp runs it as it is (the KV cache in dtype)
+        gguf, path = path, path.parent
+    else:  # converted once per checkpoint, kept out of the checkpoint's own folder (it may be tracked)
+        tag = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+        gguf = ROOT / "runs" / "gguf" / f"{path.resolve().name}-{tag}-{gguf_type}.gguf"
     spec = {"model": str(path.resolve()), "threads": threads, "threads_batch": threads_batch or threads, "keep": keep,
             "ctx_len": ctx_len, "gguf": str(gguf),
             "gguf_type": gguf_type, "warmup_ids": reqs[0].ids[:64], "flash_attn": flash_attn}
