@@ -599,8 +599,10 @@ class RowMaker:
     """Packs training rows of seq_len + 1 tokens (inputs are row[:-1], targets
     row[1:]) with their loss codes (of the targets)."""
 
-    def __init__(self, tokenizer: Tokenizer, seq_len: int, seed: int, split: Split | None = None, pool: int = 12):
+    def __init__(self, tokenizer: Tokenizer, seq_len: int, seed: int, split: Split | None = None, pool: int = 12,
+                 task_rate: float = TASK_RATE):
         self.rng = random.Random(seed)
+        self.task_rate = task_rate
         self.renderer = Renderer(tokenizer)
         self.split = split if split is not None else default_split()
         self.synth = Synth(tokenizer, random.Random(seed + 1), self.split)
@@ -616,7 +618,7 @@ class RowMaker:
             if barren >= 50:
                 raise RuntimeError(f"no training example fits in {self.seq_len} tokens")
             barren += 1
-            if self.rng.random() < TASK_RATE:
+            if self.rng.random() < self.task_rate:
                 ex = self._task_examples()
                 self.pending += ex
                 barren = 0 if ex else barren
