@@ -39,7 +39,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def _cpu_has_bf16_dot() -> bool:
+def cpu_has_bf16_dot() -> bool:
     # A private probe, hence the fallback: without AVX512-BF16 a bf16 CPU
     # step converts every operand and runs slower than fp32.
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: str | torc
     if chosen is not None:
         return chosen
     own = DTYPES.get(cfg.torch_dtype or "float32", torch.float32)
-    if torch.device(device).type == "cpu" and (own == torch.float16 or (own == torch.bfloat16 and not _cpu_has_bf16_dot())):
+    if torch.device(device).type == "cpu" and (own == torch.float16 or (own == torch.bfloat16 and not cpu_has_bf16_dot())):
         return torch.float32
     return own
 

