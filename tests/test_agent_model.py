@@ -164,7 +164,7 @@ def test_eval_script_runs_through_the_engine(trained):
     assert set(m["calls"]) >= {"valid_json", "right_tool", "exact_args"} and "final_answer" in m["answers"]
     assert sum(b["values"] for b in res["copy_by_position"].values()) > 0
     text = report(res)
-    assert "speculation" in text and "final answer" in text and "issue 22" in text
+    assert "speculation" in text and "final answer" in text and "issue 40" in text
 
 
 def test_task_episodes_keep_heldout_names_out_of_training(tok):
@@ -200,13 +200,36 @@ def test_reference_values_are_in_the_prompt(tok):
         for call in t.reference:
             for v in call["arguments"].values():
                 assert (v if isinstance(v, str) else json.dumps(v)) in prompt, (t.kind, t.style, v)
-        if t.kind != "plain":  # plain answers are computed (a sum, a count, a sorted list)
+        if t.kind not in ("plain", "unfit"):  # answers without a tool are computed (a sum, a count, a sorted list)
             for v in t.answer_values:
                 assert v in prompt, (t.kind, v)
         assert ("<tool_call>" in t.reply_text) == bool(t.reference)
         if t.kind == "plain":
             assert not t.tools
 
+
+def test_unfit_requests_get_no_call_and_parallel_requests_get_every_call():
+    """A request no offered tool fits is answered in text, and where it asks
+    for a record action, no offered tool has both its action and its record
+    kind; a request naming several records gets one call per record, in order."""
+    r = __import__("random").Random(11)
+    for _ in range(200):
+        ep = T.unfit_episode(r, lambda a: True, frozenset())
+        assert ep.kind == "unfit" and ep.tools and not ep.reference() and ep.reply["content"]
+        assert ep.placement in ("record", "off_domain")
+        if ep.placement == "record":  # a record action: the reply names it ("... cancel a ticket ...")
+            entity = ep.answer_values[0]
+            asked = [v for v in T.VERBS if f"{v} a {entity}" in ep.reply["content"]]
+            assert len(asked) == 1 and entity in ep.messages[-2]["content"]
+            fitting = {f"{asked[0]}_{entity}", f"{entity}_{asked[0]}", f"{asked[0]}{entity.title()}"}
+            assert not fitting & {t["function"]["name"] for t in ep.tools}
+        ep = T.parallel_episode(r, lambda a: True, frozenset())
+        calls = ep.reference()
+        assert ep.kind == "parallel" and len(calls) >= 2
+        values = [next(iter(c["arguments"].values())) for c in calls]
+        positions = [ep.messages[-2]["content"].find(v) for v in values]
+        assert min(positions) >= 0 and positions == sorted(positions)
+        assert {c["name"] for c in calls} <= {t["function"]["name"] for t in ep.tools}
 
 def test_alt_generator_shares_no_tool_or_argument_name_with_training():
     train_names = {f"{v}_{e}" for v in T.VERBS for e in T.ENTITIES} | T.task_arg_names() | D._all_param_names()

@@ -706,7 +706,7 @@ class EvalTurn:
     heldout_args: int  # argument names of the calls that are held out
     seed: int
     agent: str
-    kind: str = "call"  # call | answer | no_tool | plain | handoff (experiments/default_model/tasks.py)
+    kind: str = "call"  # one of experiments/default_model/tasks.py KINDS
     answer_values: list[str] = field(default_factory=list)  # what a text answer must quote
     source: str = "workflow"  # workflow | task | alt (the generator)
 
@@ -799,7 +799,8 @@ def episode_turn(ep: T.Episode, renderer: Renderer, seed: int, source: str) -> E
 
 
 TASK_EVAL_SEED = EVAL_SEED_BASE + 77_777
-TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16}
+# New kinds go last: the earlier kinds keep their draws (and their figures stay comparable).
+TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16, "unfit": 20, "parallel": 16}
 
 
 def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None,

@@ -16,7 +16,12 @@ windows of long multi-agent workflows: what those lack.
   the start, after many distractor results full of look-alike ids;
 - multi-agent hand-offs: a triage agent transfers to the agent whose
   description covers the request, and the receiving agent acts on the
-  user's values from before the hand-off.
+  user's values from before the hand-off;
+- requests no offered tool fits (another record kind, another action, or
+  nothing a business tool does: a sum, a fact, the weather): the assistant
+  says so in text, or answers directly when it can, and calls nothing;
+- several calls in one reply: the same action on two or three ids, or two
+  actions in one request.
 
 Each episode is a whole conversation whose assistant messages are all
 trainable; its last assistant message is the one the evaluation scores.
@@ -31,7 +36,7 @@ import string
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-KINDS = ("call", "answer", "no_tool", "plain", "handoff")
+KINDS = ("call", "answer", "no_tool", "unfit", "plain", "handoff", "parallel")
 PLACEMENTS = ("inline", "paren", "quoted", "earlier", "result")
 HELDOUT_TASK_ARG_PERCENT = 25
 
@@ -41,7 +46,7 @@ class Episode:
     messages: list[dict]  # the whole conversation, ending with the scored assistant message
     tools: list[dict]
     kind: str  # see KINDS
-    placement: str  # where the call's values were given (PLACEMENTS), "none" for answers
+    placement: str  # where the call's values were given (PLACEMENTS); "record" or "off_domain" for unfit; else "none"
     heldout_args: int = 0  # held-out argument names in the scored call
     answer_values: list[str] = field(default_factory=list)  # what a scored answer must quote
 
@@ -540,6 +545,110 @@ def no_tool_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episod
     return Episode(msgs, [t.schema for t in tools], "no_tool", "none", 0, values)
 
 
+# Requests outside what business tools do. Each is (request, reply or None);
+# None: the reply says the tools cannot do it.
+OFF_DOMAIN = (
+    ("What's the weather going to be like in {city} tomorrow?", None),
+    ("Book me a table for two at an Italian place near {city}.", None),
+    ("Translate 'good morning' into Japanese.", "In Japanese, 'good morning' is 'ohayou gozaimasu'."),
+    ("Convert {n} kilometres to metres.", "{n} kilometres is {n1000} metres."),
+    ("What is {a} plus {b}?", "{a} plus {b} is {ab}."),
+    ("Play some relaxing music.", None),
+    ("Send a text message to {person} saying I'm running late.", None),
+    ("Find me a flight from {city} to {city2} next Friday.", None),
+    ("How many minutes are in {n} hours?", "{n} hours is {n60} minutes."),
+    ("Write a haiku about {word}.", None),
+    ("Set an alarm for 6:30 tomorrow.", None),
+    ("Who is the manager of the {team} team at the company across the street?", None),
+    ("Order a pizza with {word} topping.", None),
+    ("Check the stock price of {company}.", None),
+    ("What is the square of {a}?", "The square of {a} is {a2}."),
+)
+DECLINES = ("None of my tools can {want}. I can {can}.", "I can't {want} with the tools I have: they {can}.",
+            "Sorry, that's outside what I can do here. My tools {can}; none of them can {want}.",
+            "I don't have a tool to {want}. What I can do: {can}.")
+
+
+def _can_text(tools: list[TaskTool]) -> str:
+    return ", ".join(f"{t.verb} {t.entity}s" for t in tools[:4])
+
+
+def unfit_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episode:
+    """Tools offered, none of which does what the user asks (another kind of
+    record, another action, or nothing business tools do): the assistant
+    says so, or answers a question it can answer itself, and calls nothing."""
+    msgs = _messages_start(r)
+    entity = r.choice(list(ENTITIES))
+    verb = r.choice(list(VERBS))
+    if r.random() < 0.55:
+        # the request's action and record kind; the tools share at most one of the two with it
+        others = [e for e in ENTITIES if e != entity]
+        tools, names = [], set()
+        for _ in range(r.randint(1, 5)):
+            t = (make_tool(r, r.choice([v for v in VERBS if v != verb]), entity, arg_ok) if r.random() < 0.4
+                 else make_tool(r, r.choice(list(VERBS)), r.choice(others), arg_ok))
+            if t.name not in names:
+                tools.append(t)
+                names.add(t.name)
+        id_value = make_id(r, ENTITIES[entity][0])
+        msgs.append({"role": "user", "content": request_text(r, verb, entity, id_value, {}, "inline",
+                                                             entity + "_id")})
+        want = f"{verb} a {entity}"
+        reply = r.choice(DECLINES).format(want=want, can=_can_text(tools))
+        values, placement = [entity], "record"
+    else:
+        tools = _toolset(r, make_tool(r, verb, entity, arg_ok), arg_ok, r.randint(1, 5))
+        a, b, n = r.randint(2, 99), r.randint(2, 99), r.randint(2, 30)
+        fill = {"city": r.choice(CITIES), "city2": r.choice(CITIES), "person": _person(r), "word": r.choice(WORDS),
+                "team": r.choice(TEAMS), "company": r.choice(COMPANIES), "a": a, "b": b, "ab": a + b, "a2": a * a,
+                "n": n, "n1000": n * 1000, "n60": n * 60}
+        request, answer = r.choice(OFF_DOMAIN)
+        request = request.format(**fill)
+        opener = r.choice(OPENERS)
+        msgs.append({"role": "user", "content": opener + (request[0].lower() + request[1:]
+                                                          if opener and not opener.endswith(". ") else request)})
+        if answer is None:
+            reply = r.choice(DECLINES).format(want="help with that", can=_can_text(tools))
+            values = []
+        else:
+            reply = answer.format(**fill)
+            values = [reply.split(" is ")[-1].rstrip(".")]
+        placement = "off_domain"
+    msgs.append({"role": "assistant", "content": reply})
+    return Episode(msgs, [t.schema for t in tools], "unfit", placement, 0, values)
+
+
+def parallel_episode(r: random.Random, arg_ok, heldout: frozenset[str]) -> Episode:
+    """One request, several calls in one reply: the same action on two or
+    three records, or two different actions."""
+    entity = r.choice(list(ENTITIES))
+    verb = r.choice(list(VERBS))
+    target = make_tool(r, verb, entity, arg_ok)
+    tools = _toolset(r, target, arg_ok, r.randint(2, 5))
+    msgs = _messages_start(r)
+    ids = [make_id(r, ENTITIES[entity][0]) for _ in range(r.randint(2, 3))]
+    action = r.choice(VERBS[verb][0])
+    calls = []
+    if r.random() < 0.6 or len(tools) < 2:
+        listed = ", ".join(ids[:-1]) + " and " + ids[-1]
+        text = r.choice([f"{r.choice(POLITE)}{action} {ENTITIES[entity][1]} {listed}",
+                         f"{r.choice(POLITE)}{action} these {ENTITIES[entity][1]}: {listed}",
+                         f"{r.choice(POLITE)}{action} {entity} {ids[0]}, and the same for {', '.join(ids[1:])}"])
+        calls = [(target, {target.id_name: i}) for i in ids]
+    else:
+        other = r.choice([t for t in tools if t is not target])
+        oid = make_id(r, ENTITIES[other.entity][0])
+        text = (f"{r.choice(POLITE)}{action} {entity} {ids[0]} and "
+                f"{r.choice(VERBS[other.verb][0])} {other.entity} {oid}")
+        calls = [(target, {target.id_name: ids[0]}), (other, {other.id_name: oid})]
+    opener = r.choice(OPENERS)
+    text = opener + (text[0].upper() + text[1:] if not opener or opener.endswith(". ") else text)
+    msgs.append({"role": "user", "content": text + r.choice([".", "", "?"]) + r.choice(CLOSERS)})
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [_call(t.name, a, r) for t, a in calls]})
+    held = sum(a in heldout for _, args in calls for a in args)
+    return Episode(msgs, [t.schema for t in tools], "parallel", "none", held)
+
+
 def plain_episode(r: random.Random, arg_ok=None, heldout: frozenset[str] = frozenset()) -> Episode:
     """No tools offered: a question answered in plain text (that the answer is
     right can be checked)."""
@@ -619,8 +728,9 @@ def handoff_episode(r: random.Random, arg_ok, heldout: frozenset[str], receiving
 
 
 # Kind -> (maker, share of training episodes)
-MAKERS = {"call": (call_episode, 0.42), "answer": (answer_episode, 0.2), "no_tool": (no_tool_episode, 0.1),
-          "plain": (plain_episode, 0.13), "handoff": (handoff_episode, 0.15)}
+MAKERS = {"call": (call_episode, 0.34), "answer": (answer_episode, 0.16), "no_tool": (no_tool_episode, 0.08),
+          "unfit": (unfit_episode, 0.14), "plain": (plain_episode, 0.1), "handoff": (handoff_episode, 0.1),
+          "parallel": (parallel_episode, 0.08)}
 
 
 def training_episode(r: random.Random, arg_ok) -> Episode:
