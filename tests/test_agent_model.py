@@ -16,6 +16,8 @@ import torch
 
 from agentkv import Engine
 from agentkv.experiments.default_model import data as D
+from agentkv.experiments.default_model import episodes as E
+from agentkv.experiments.default_model import function_tasks as F
 from agentkv.experiments.default_model import tasks as T
 from agentkv.experiments.default_model.data_alt import alt_episodes
 from agentkv.experiments.default_model.tokenizer import build_default_tokenizer
@@ -175,15 +177,16 @@ def test_task_episodes_keep_heldout_names_out_of_training(tok):
     r = maker.rng
     kinds, placements = set(), set()
     for _ in range(300):
-        ep = T.training_episode(r, maker.allowed)
+        ep = E.training_episode(r, maker.allowed)
         kinds.add(ep.kind)
         placements.add(ep.placement)
         text = json.dumps(ep.messages) + json.dumps(ep.tools)
         assert not held & set(D._WORD.findall(text))
-    assert kinds == set(T.KINDS) and placements >= set(T.PLACEMENTS)
+        assert not any(f in text for f in F.heldout_functions())
+    assert kinds == set(E.KINDS) and placements >= set(T.PLACEMENTS)
     # The held-out task turns do use them, and every kind is there.
     turns = D.task_eval_turns(D.Renderer(tok), 4096, split)
-    assert len(turns) >= 120 and {t.kind for t in turns} == set(T.KINDS)
+    assert len(turns) >= 120 and {t.kind for t in turns} == set(E.KINDS)
     calls = [t for t in turns if t.kind == "call"]
     assert sum(t.heldout_args > 0 for t in calls) >= len(calls) // 3
     assert {t.style for t in calls} >= set(T.PLACEMENTS)
@@ -199,7 +202,10 @@ def test_reference_values_are_in_the_prompt(tok):
         prompt = r.render(t.messages, t.tools or None, True)
         for call in t.reference:
             for v in call["arguments"].values():
-                assert (v if isinstance(v, str) else json.dumps(v)) in prompt, (t.kind, t.style, v)
+                if isinstance(v, bool):  # a flag is worded ("with its recent history")
+                    continue
+                shown = v if isinstance(v, str) else ", ".join(map(str, v)) if isinstance(v, list) else json.dumps(v)
+                assert shown in prompt, (t.kind, t.style, v)
         if t.kind not in ("plain", "unfit"):  # answers without a tool are computed (a sum, a count, a sorted list)
             for v in t.answer_values:
                 assert v in prompt, (t.kind, v)

@@ -78,6 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agentkv.experiments.default_model import episodes as E
 from agentkv.experiments.default_model import tasks as T
 from agentkv.experiments.default_model.tasks import stable_hash
 from agentkv.experiments.default_model.tokenizer import CHAT_TEMPLATE
@@ -638,7 +639,7 @@ class RowMaker:
     def _task_examples(self) -> list[tuple[list[int], list[int]]]:
         out = []
         for _ in range(TASK_BATCH):
-            ep = T.training_episode(self.rng, self.allowed)
+            ep = E.training_episode(self.rng, self.allowed)
             ex = task_example(ep, self.renderer, self.seq_len, self.split, self.stats)
             if ex is not None:
                 out.append(ex)
@@ -706,7 +707,7 @@ class EvalTurn:
     heldout_args: int  # argument names of the calls that are held out
     seed: int
     agent: str
-    kind: str = "call"  # one of experiments/default_model/tasks.py KINDS
+    kind: str = "call"  # one of experiments/default_model/episodes.py KINDS
     answer_values: list[str] = field(default_factory=list)  # what a text answer must quote
     source: str = "workflow"  # workflow | task | alt (the generator)
 
@@ -800,7 +801,8 @@ def episode_turn(ep: T.Episode, renderer: Renderer, seed: int, source: str) -> E
 
 TASK_EVAL_SEED = EVAL_SEED_BASE + 77_777
 # New kinds go last: the earlier kinds keep their draws (and their figures stay comparable).
-TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16, "unfit": 20, "parallel": 16}
+TASK_EVAL_COUNTS = {"call": 80, "answer": 30, "no_tool": 10, "plain": 15, "handoff": 16, "unfit": 20, "parallel": 16,
+                    "function": 40, "function_parallel": 12, "function_unfit": 20}
 
 
 def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None,
@@ -813,7 +815,7 @@ def task_eval_turns(renderer: Renderer, seq_len: int, split: Split | None = None
     def train_ok(name: str) -> bool:
         return not (name in heldout or split.heldout_tool(name))
 
-    eps = T.eval_episodes(TASK_EVAL_SEED, counts or TASK_EVAL_COUNTS, train_ok, heldout)
+    eps = E.eval_episodes(TASK_EVAL_SEED, counts or TASK_EVAL_COUNTS, train_ok, heldout)
     out = []
     for k, ep in enumerate(eps):
         if len(renderer.tok.encode(renderer.render(ep.prompt, ep.tools or None, True))) + max_reply > seq_len:

@@ -64,7 +64,7 @@ TARGETS = {
 }
 SETS = ("workflow", "task", "alt")
 COPY_BUCKETS = ((0, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 1 << 30))
-CALL_KINDS = ("call", "handoff", "parallel")
+CALL_KINDS = ("call", "handoff", "parallel", "function", "function_parallel")
 
 
 def _strings(value) -> list[str]:
@@ -212,9 +212,12 @@ def _groups(rows: list[dict]) -> dict[str, tuple[list[dict], tuple[str, ...]]]:
                                            and r["kind"] == "call"], CALL_METRICS)
     groups["hand-offs"] = ([r for r in calls if r["kind"] == "handoff"], CALL_METRICS)
     groups["parallel calls"] = ([r for r in rows if r["kind"] == "parallel" and r["set"] != "alt"], CALL_METRICS)
+    groups["functions, held out"] = ([r for r in rows if r["kind"] == "function"], CALL_METRICS)
+    groups["two functions at once"] = ([r for r in rows if r["kind"] == "function_parallel"], CALL_METRICS)
     groups["alt calls"] = ([r for r in rows if r["set"] == "alt" and r["kind"] in CALL_KINDS], CALL_METRICS)
     groups["answers"] = ([r for r in answers if r["kind"] in ("answer", "no_tool")], ANSWER_METRICS)
     groups["no tool fits"] = ([r for r in answers if r["kind"] == "unfit"], ANSWER_METRICS)
+    groups["no function fits"] = ([r for r in answers if r["kind"] == "function_unfit"], ANSWER_METRICS)
     groups["no tools offered"] = ([r for r in answers if r["kind"] == "plain"], ANSWER_METRICS)
     groups["alt answers"] = ([r for r in rows if r["set"] == "alt" and r["kind"] not in CALL_KINDS], ANSWER_METRICS)
     return groups

@@ -36,7 +36,6 @@ import string
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-KINDS = ("call", "answer", "no_tool", "unfit", "plain", "handoff", "parallel")
 PLACEMENTS = ("inline", "paren", "quoted", "earlier", "result")
 HELDOUT_TASK_ARG_PERCENT = 25
 
@@ -45,7 +44,7 @@ HELDOUT_TASK_ARG_PERCENT = 25
 class Episode:
     messages: list[dict]  # the whole conversation, ending with the scored assistant message
     tools: list[dict]
-    kind: str  # see KINDS
+    kind: str  # see experiments/default_model/episodes.py KINDS
     placement: str  # where the call's values were given (PLACEMENTS); "record" or "off_domain" for unfit; else "none"
     heldout_args: int = 0  # held-out argument names in the scored call
     answer_values: list[str] = field(default_factory=list)  # what a scored answer must quote
@@ -726,36 +725,3 @@ def handoff_episode(r: random.Random, arg_ok, heldout: frozenset[str], receiving
     held = sum(a in heldout for a in args)
     return Episode(msgs, [t.schema for t in tools], "call", "earlier", held)
 
-
-# Kind -> (maker, share of training episodes)
-MAKERS = {"call": (call_episode, 0.34), "answer": (answer_episode, 0.16), "no_tool": (no_tool_episode, 0.08),
-          "unfit": (unfit_episode, 0.14), "plain": (plain_episode, 0.1), "handoff": (handoff_episode, 0.1),
-          "parallel": (parallel_episode, 0.08)}
-
-
-def training_episode(r: random.Random, arg_ok) -> Episode:
-    kinds = list(MAKERS)
-    kind = r.choices(kinds, weights=[MAKERS[k][1] for k in kinds])[0]
-    return MAKERS[kind][0](r, arg_ok, frozenset())
-
-
-def eval_episodes(seed: int, counts: dict[str, int], arg_ok_train, heldout: frozenset[str]) -> list[Episode]:
-    """Held-out episodes: calls use held-out argument names where a tool can
-    (every name allowed), answers and plain ones are fresh draws."""
-    r = random.Random(seed)
-    out = []
-    for kind, n in counts.items():
-        for k in range(n):
-            if kind == "call":
-                # Even turns: argument names from the held-out ones where a tool has them.
-                ok = (lambda a: a in heldout or a not in task_arg_names()) if k % 2 == 0 else arg_ok_train
-                placement = PLACEMENTS[k % len(PLACEMENTS)]
-                # The value far back: always for values from earlier turns and results, else every third turn.
-                far = placement in ("earlier", "result") or k % 3 == 0
-                ep = call_episode(r, ok, heldout, placement=placement, filler=r.randint(2, 8) if far else 0)
-            elif kind == "handoff":  # alternately the transfer and the receiving agent's call
-                ep = handoff_episode(r, lambda a: True, heldout, receiving=k % 2 == 1)
-            else:
-                ep = MAKERS[kind][0](r, lambda a: True, heldout)
-            out.append(ep)
-    return out
