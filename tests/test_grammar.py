@@ -13,6 +13,7 @@ from agentkv.engine.grammar import GrammarError, GrammarState
 from agentkv.engine.structured import request_grammar
 from agentkv.model.default import random_init
 from agentkv.model.tool_calls import parse_tool_calls
+from agentkv.model.default import SMALL_MODEL_DIR
 from tests.test_speculation import FixedDrafter
 
 TOOLS = [
@@ -34,7 +35,7 @@ CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/app.py", "
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine.from_pretrained(num_pages=512)
+    eng = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=512)
     random_init(eng.model, 0)
     return eng
 

@@ -73,10 +73,10 @@ def test_the_installed_engine_imports_from_another_directory(tmp_path):
         import agentkv
         from agentkv import Engine, KVCapacityError
         from agentkv.kernels import cpu_linear
-        from agentkv.model.default import default_model_dir
+        from agentkv.model.default import small_model_dir
         print(agentkv.__file__)
         print(Engine.__module__, KVCapacityError.__module__)
-        print(cpu_linear.SOURCE.is_file(), (default_model_dir() / "model.safetensors").is_file())
+        print(cpu_linear.SOURCE.is_file(), (small_model_dir() / "model.safetensors").is_file())
     """, cwd=tmp_path)
     init, modules, files = out.strip().split("\n")
     assert Path(init).name == "__init__.py"
@@ -107,7 +107,8 @@ INSTALLED = """
     for sub in ("kernels.dispatch", "model.llama", "cache.pool", "engine.engine", "engine.api", "spec.ngram",
                 "profiling.breakdown", "experiments.benchmarks.bench_agents", "experiments.drivers.servers", "serve"):
         assert importlib.util.find_spec("agentkv." + sub) is not None, sub
-    for data in ("models/agent-8m/model.safetensors", "models/agent-8m/tokenizer.json", "kernels/cpu_linear.cpp",
+    for data in ("models/agent-8m/model.safetensors", "models/agent-8m/tokenizer.json",
+                 "models/smollm2-agent/adapter.safetensors", "models/smollm2-agent/chat_template.jinja", "kernels/cpu_linear.cpp",
                  "kernels/cpu_attention.h", "experiments/workloads/data/workloads.json",
                  "experiments/drivers/peers/setup_vllm.sh", "profiling/gpu_check.sh"):
         assert (root / data).is_file(), data

@@ -19,6 +19,7 @@ from agentkv import Engine
 from agentkv.engine.api import create_app
 from agentkv.engine.structured import request_grammar
 from agentkv.model.chat_suffix import render_suffix
+from agentkv.model.default import SMALL_MODEL_DIR
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -43,7 +44,7 @@ def tool_result(city: str) -> dict:
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    native = Engine.from_pretrained(num_pages=1024)
+    native = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1024)
     return {"native": native, "template-faithful": Engine(native.model, native.tokenizer, num_pages=1024,
                                                           continuation="template-faithful")}
 

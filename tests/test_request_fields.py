@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from agentkv import Engine
 from agentkv.engine.api import create_app
 from agentkv.engine.api.responses_schemas import Response
+from agentkv.model.default import SMALL_MODEL_DIR
 from tests.conftest import assert_all_pages_free
 from tests.test_responses_api import CHAT_TOOL, MODEL, TOOL, ask
 
@@ -29,7 +30,7 @@ REPORT = {
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(num_pages=1024)
+    return Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1024)
 
 
 @pytest.fixture(scope="module")

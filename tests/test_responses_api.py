@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from agentkv import Engine
 from agentkv.engine.api import create_app
 from agentkv.engine.api.tenants import ApiKeys
+from agentkv.model.default import SMALL_MODEL_DIR
 from tests.conftest import assert_all_pages_free
 
 MODEL = "agentkv-test"
@@ -58,7 +59,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine.from_pretrained(num_pages=1024)
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1024)
     with TestClient(create_app(engine, MODEL, keys=KEYS)) as http:
         yield Server(engine, http)
     # Shutdown closed every stored response: only the prefix cache may hold pages.
@@ -269,7 +270,7 @@ def test_retrieve_list_input_items_and_delete(server):
 
 
 def test_least_recently_used_responses_expire_past_the_cap():
-    engine = Engine.from_pretrained(num_pages=512)
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=512)
     with TestClient(create_app(engine, MODEL, max_stored_responses=2, keys=KEYS)) as http:
         server = Server(engine, http)
         a = server.respond([ask("Nuuk")], max_output_tokens=4)

@@ -159,7 +159,7 @@ def _free_port() -> int:
 def _start(state: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "serve.py", "--port", str(port), "--served-model-name", MODEL, "--kv-cache-gb", "0.01",
+        [sys.executable, "serve.py", "--port", str(port), "--model", "models/agent-8m", "--served-model-name", MODEL, "--kv-cache-gb", "0.01",
          "--state-dir", str(state)],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )

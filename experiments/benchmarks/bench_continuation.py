@@ -46,6 +46,7 @@ from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, t
 from agentkv.experiments.workloads.agent_runs import (AgentRecord, Client, Pauses, Reply, plan, records_json,
                                                       run_agents, summarize)
 from agentkv.model.default import default_model_dir
+from agentkv.model.export import export_hf
 
 SYSTEMS = ("agentkv-native", "agentkv-template", "vllm-apc")
 CLIENTS = ("plain", "strip")
@@ -60,17 +61,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", default=",".join(CLIENTS))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="any model the engine loads (default: the embedded real model); "
+                   "vLLM gets it exported once to a Hugging Face checkpoint under runs/hf/")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
 
 def start(system: str, args: argparse.Namespace, log: Path) -> ServerProcess:
-    model = default_model_dir()
+    model = Path(args.model) if args.model else default_model_dir()
     if system == "vllm-apc":
-        return start_vllm_server(model, threads=args.threads, kv_gb=2, served_model_name="bench",
+        hf = export_hf(model, Path("runs") / "hf" / f"{model.resolve().name}-bf16")
+        return start_vllm_server(hf, threads=args.threads, kv_gb=2, served_model_name="bench",
                                  extra_args=["--enforce-eager", "--seed", "0"], log=log)
     mode = "native" if system == "agentkv-native" else "template-faithful"
-    return start_engine_server(threads=args.threads, log=log, extra_args=[
+    return start_engine_server(model, threads=args.threads, log=log, extra_args=[
         "--continuation", mode, "--served-model-name", "bench"])
 
 

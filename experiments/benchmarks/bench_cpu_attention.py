@@ -198,7 +198,7 @@ def decode_ms(session, vocab: int, tokens: int, gen: torch.Generator) -> float:
 
 def bench_decode(args) -> list[dict]:
     from agentkv import Engine
-    from agentkv.model.default import default_model_dir, random_init
+    from agentkv.model.default import random_init, small_model_dir
     from agentkv.model.llama import Transformer
     from agentkv.model.loader import load_model
 
@@ -209,7 +209,7 @@ def bench_decode(args) -> list[dict]:
         torch.set_num_threads(threads)
         for name, dtype in models:
             if name == "agent-8m":
-                model = load_model(default_model_dir(), dtype)
+                model = load_model(small_model_dir(), dtype)
             else:
                 shape = dict(SHAPES[name])
                 shape["max_position_embeddings"] = max(shape["max_position_embeddings"], max(args.decode_contexts) + 64)

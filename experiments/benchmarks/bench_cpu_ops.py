@@ -163,9 +163,9 @@ def model_path(name: str) -> Path:
     """The checkpoint every system loads: the embedded agent-8m, or a random
     model of a named shape."""
     from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
-    from agentkv.model.default import default_model_dir
+    from agentkv.model.default import small_model_dir
 
-    return default_model_dir() if name == "agent-8m" else prepare_checkpoint(name)
+    return small_model_dir() if name == "agent-8m" else prepare_checkpoint(name)
 
 
 def model_pair(name: str, dtype: torch.dtype):

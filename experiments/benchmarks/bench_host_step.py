@@ -46,7 +46,7 @@ from agentkv import Engine
 from agentkv.experiments.common import machine, median, run_dir
 from agentkv.experiments.report import publish, table
 from agentkv.kernels import cpu_layers
-from agentkv.model.default import default_model_dir
+from agentkv.model.default import small_model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -190,7 +190,7 @@ def measure(engine: Engine, batch: int, args, bar) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = run_dir("bench_host_step", args.out)
-    path = Path(args.model) if args.model else default_model_dir()
+    path = Path(args.model) if args.model else small_model_dir()
     batches = [int(b) for b in args.batches.split(",")]
     dtypes = args.dtypes.split(",")
     threads = [int(t) for t in args.threads.split(",")]

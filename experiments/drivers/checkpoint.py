@@ -35,7 +35,7 @@ def hf_config(shape: str, tokenizer) -> dict:
 def prepare_checkpoint(shape: str, seed: int = 0, root: Path | None = None) -> Path:
     """A random-init model of `shape` with the project's tokenizer, saved once
     in Hugging Face layout (fp32) under runs/checkpoints/."""
-    from agentkv.model.default import default_model_dir
+    from agentkv.model.default import small_model_dir
     from agentkv.model.loader import save_model
     from agentkv.model.tokenizer import Tokenizer
 
@@ -43,7 +43,7 @@ def prepare_checkpoint(shape: str, seed: int = 0, root: Path | None = None) -> P
     path = root / f"{shape}-seed{seed}"
     if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
         return path
-    tok_dir = default_model_dir()
+    tok_dir = small_model_dir()
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model = random_model(shape, torch.float32, seed=seed)
     save_model(model, tmp, hf_config(shape, Tokenizer.from_dir(tok_dir)))
