@@ -74,13 +74,14 @@ def test_a_server_that_exits_before_it_is_ready_says_why(tmp_path):
 
 
 def test_the_engine_server_runs_as_a_subprocess(tmp_path):
-    with start_engine_server(SMALL_MODEL_DIR, threads=1, extra_args=["--kv-cache-gb", "0.05"], log=tmp_path / "server.log") as server:
+    with start_engine_server(SMALL_MODEL_DIR, threads=1, extra_args=["--kv-cache-gb", "0.05"],
+                             log=tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "system", "content": "You are a helpful agent. " * 20}, {"role": "user", "content": "hi"}]
         before = server.counters()
         assert set(before) == set(COUNTERS)
         for _ in range(2):  # the second finds the first's prompt in the prefix cache
-            client.chat.completions.create(model="agentkv-default", messages=messages, max_tokens=2, temperature=0.0)
+            client.chat.completions.create(model="agent-8m", messages=messages, max_tokens=2, temperature=0.0)
         after = server.counters()
         assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
         assert after["vllm:prefix_cache_hits_total"] > before["vllm:prefix_cache_hits_total"]

@@ -15,11 +15,12 @@ import pytest
 from agentkv.engine.api import cluster as cluster_module
 from agentkv.engine.api.cluster import Cluster, RouterMissingError, StartError
 from agentkv.experiments.drivers.servers import free_port, parse_metrics
+from agentkv.model.default import SMALL_MODEL_DIR
 
 MODEL = "agentkv-replicas"
 SESSIONS = [f"agent-{i}" for i in range(8)]
 FOLLOW_UPS = ["Now summarise the first item.", "And the second one?", "Which of them is the oldest?"]
-SERVE_ARGS = ["--served-model-name", MODEL, "--kv-cache-gb", "0.02"]
+SERVE_ARGS = ["--model", str(SMALL_MODEL_DIR), "--served-model-name", MODEL, "--kv-cache-gb", "0.02"]
 
 
 def questions(session_id: str) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 
 from agentkv import Engine, TurnResult
 from agentkv.engine.api import create_app
+from agentkv.model.default import SMALL_MODEL_DIR
 from tests.conftest import assert_all_pages_free, http_server
 
 MODEL = "agentkv-test"
@@ -60,7 +61,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine.from_pretrained(num_pages=1024)
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1024)
     app = create_app(engine, MODEL)
     with http_server(app) as url:
         yield Server(engine, url, app)

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from agentkv import Engine
 from agentkv.engine.api import create_app
 from agentkv.engine.limits import Limits
+from agentkv.model.default import SMALL_MODEL_DIR
 
 MODEL = "agentkv-limits"
 
@@ -22,7 +23,7 @@ def chat_body(content: str, **extra) -> dict:
 
 @pytest.fixture
 def small():
-    engine = Engine.from_pretrained(num_pages=12, limits=Limits(max_queue=1))  # 192 tokens of KV
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=12, limits=Limits(max_queue=1))  # 192 tokens of KV
     with TestClient(create_app(engine, MODEL)) as client:
         yield engine, client
 

@@ -10,7 +10,7 @@ import agentkv.engine.scheduler as scheduler_module
 from agentkv import Engine
 from agentkv.engine.step_observer import StepObserver
 from agentkv.engine.structured import request_grammar
-from agentkv.model.default import random_init
+from agentkv.model.default import SMALL_MODEL_DIR, random_init
 from agentkv.model.sampler import SamplingParams, make_generator, probs_from_logits
 from agentkv.spec.drafters import KINDS
 from agentkv.spec.schema_phrases import continuations, schema_phrases
@@ -351,7 +351,7 @@ TOOL = [{"type": "function", "function": {"name": "read_file", "parameters": {
 
 @pytest.fixture(scope="module")
 def default_model():
-    eng = Engine.from_pretrained(num_pages=1)
+    eng = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1)
     random_init(eng.model, 0)
     return eng.model, eng.tokenizer
 

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from agentkv import Engine
 from agentkv.engine.api import create_app
 from agentkv.engine.api.tenants import OPEN_TENANT, Tenant
+from agentkv.model.default import SMALL_MODEL_DIR
 
 MODEL = "agentkv-state"
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def said(replies: list[dict]) -> list[tuple]:
 
 def in_process(state: Path | None, **engine_kwargs):
     kv = state / "kv" if state is not None else None
-    engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=kv, **engine_kwargs)
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=256, kv_offload_dir=kv, **engine_kwargs)
     return TestClient(create_app(engine, MODEL, state_dir=state))
 
 

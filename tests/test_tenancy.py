@@ -23,6 +23,7 @@ from agentkv.engine.api import create_app
 from agentkv.engine.api.gate import Gate
 from agentkv.engine.api.quotas import Quotas
 from agentkv.engine.api.tenants import ApiKeys, ApiKeysError, Tenant, key_tenant_name, parse_keys_file
+from agentkv.model.default import SMALL_MODEL_DIR
 
 MODEL = "agentkv-tenancy"
 KEY_A, KEY_B = "sk-alpha-0123456789", "sk-bravo-9876543210"
@@ -51,7 +52,7 @@ def cached(reply: dict) -> int:
 
 @functools.cache
 def shared_engine() -> Engine:
-    return Engine.from_pretrained(num_pages=512)
+    return Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=512)
 
 
 @pytest.fixture
@@ -439,7 +440,7 @@ TestTwoTenantsInterleaved = settings(max_examples=12, stateful_step_count=10, de
 
 def test_two_tenants_sessions_of_one_id_are_saved_and_resumed_apart(tmp_path):
     def server() -> TestClient:
-        engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv")
+        engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=256, kv_offload_dir=tmp_path / "kv")
         return TestClient(create_app(engine, MODEL, state_dir=tmp_path, keys=ApiKeys(KEYS)))
 
     with server() as c:
@@ -462,7 +463,7 @@ def test_a_tenants_session_quota_counts_its_sessions_on_every_replica(tmp_path):
     quotas = Quotas(max_sessions=2)
 
     def replica() -> TestClient:
-        engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv", kv_resume=False)
+        engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=256, kv_offload_dir=tmp_path / "kv", kv_resume=False)
         return TestClient(create_app(engine, MODEL, state_dir=tmp_path, keys=ApiKeys(KEYS), quotas=quotas,
                                      shared_state=True))
 
@@ -490,7 +491,7 @@ def test_a_state_folder_of_the_earlier_record_names_resumes_once(tmp_path):
     from agentkv.engine.api import session_files
 
     def server() -> TestClient:
-        engine = Engine.from_pretrained(num_pages=256, kv_offload_dir=tmp_path / "kv")
+        engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=256, kv_offload_dir=tmp_path / "kv")
         return TestClient(create_app(engine, MODEL, state_dir=tmp_path, keys=ApiKeys(KEYS)))
 
     with server() as c:
