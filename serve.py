@@ -3,7 +3,7 @@
 
     python serve.py [--host 127.0.0.1] [--port 8000] [--model PATH] [--dtype float32|auto] [--kv-cache-gb 1]
         # the OpenAI-compatible HTTP server (ready when GET /health answers 200)
-    python serve.py demo [--agents 6] [--kv-fraction 0.3]   # many agents with tool pauses, three ways to serve them
+    python serve.py demo [--agents 8] [--kv-fraction 0.3]   # BFCL's agents with tool pauses, three ways to serve them
     python serve.py cluster --replicas 2 --state-dir DIR [--port 8000]   # replicas behind vllm-router (engine.api.cluster)
 """
 from __future__ import annotations

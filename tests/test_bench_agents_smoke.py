@@ -77,3 +77,17 @@ def test_writes_the_plot(result):
     pytest.importorskip("matplotlib")
     assert (out / "bench_agents.png").stat().st_size > 0
     assert (out / "bench_agents_timeline.png").stat().st_size > 0
+
+
+def test_bfcl_agents_over_http(tmp_path):
+    """BFCL's agents through the server: tools run on BFCL's classes, end states checked, requests counted."""
+    pytest.importorskip("bfcl_eval")
+    bench_agents.main(["--workload", "bfcl", "--agents", "3", "--turns-per-agent", "1", "--max-tokens", "16",
+                       "--pause-scale", "0.01", "--kv-fraction", "0.6", "--threads", "1", "--systems", "agentkv",
+                       "--out", str(tmp_path), "--no-wandb"])
+    [row] = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["errors"] == [] and row["completed_turns"] == row["planned_turns"] == 3
+    assert row["jobs_checked"] == 3 and row["requests"] == len(row["timeline"]) >= 3
+    # Two of the three agents share a role: its function docs (thousands of tokens) held once.
+    assert row["distinct_tokens"] < row["working_set_tokens"] and row["tokens"] % bench_agents.BLOCK == 0
+    assert row["computed_tokens"] + row["reused_tokens"] == row["prompt_tokens"]

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("bfcl_eval")
 
 # Before bfcl_eval.utils: the module points the folders bfcl makes on import away from site-packages.
-from agentkv.experiments.benchmarks.eval_bfcl import (Reply, check_ast, openai_tools, run_multi_turn,  # noqa: E402
-                                                      run_single_turn, standardize)
+from agentkv.experiments.benchmarks.eval_bfcl import check_ast, run_single_turn, standardize  # noqa: E402
+from agentkv.experiments.workloads.bfcl import Reply, openai_tools, run_multi_turn  # noqa: E402
 from bfcl_eval.utils import populate_test_cases_with_predefined_functions  # noqa: E402, I001
 
 AREA = {"name": "geometry.area", "description": "Area of a shape.", "parameters": {

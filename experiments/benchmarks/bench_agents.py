@@ -2,10 +2,16 @@
 jobs at once over HTTP against each system, every system with the same KV
 memory in all, a fraction of the agents' working set.
 
-Each agent is a thread with the real openai client; its turns, pauses and
-replies are experiments/workloads/agent_runs.py's (live: the model's own replies in
-the history, the workload's tool results, seeded log-normal pauses per tool
-name). The working set is the sum over agents of their largest prompt +
+Each agent is a thread with the real openai client. --workload generated
+(the default): its turns, pauses and replies are
+experiments/workloads/agent_runs.py's (live: the model's own replies in the
+history, the workload's tool results, seeded log-normal pauses per tool
+name). --workload bfcl: BFCL v4's multi-turn conversations, live, every
+tool call run on BFCL's own classes and each agent's end state checked
+(experiments/workloads/bfcl_agents.py; pauses per tool class). A model
+that is not an HF checkpoint (a GGUF, an adapter over a base, such as the
+embedded default) is exported once to one, dequantized and merged, before
+anything is timed, and every system serves that same checkpoint. The working set is the sum over agents of their largest prompt +
 reply in tokens; the KV budget is --kv-fraction of it (a comma list sweeps),
 rounded down to whole 128-token blocks, the same bytes for every system. On
 a CPU a host tier is the same RAM as the pool, so ours has none (its
@@ -35,7 +41,7 @@ latency (steps shared with others, HTTP): printed and plotted.
 
     python -m agentkv.experiments.benchmarks.bench_agents [--agents 8,16,32] [--turns-per-agent 4] [--max-tokens 96] \
         [--pause-scale 1] [--kv-fraction 0.3,0.5,1.0] [--systems agentkv,agentkv-noadmit,agentkv-lru,vllm-apc] \
-        [--seed 0] [--threads 2]
+        [--seed 0] [--threads 2] [--workload generated|bfcl] [--model DIR]
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import argparse
 import json
 import math
 import statistics
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -51,13 +58,14 @@ from tqdm import tqdm
 
 from agentkv.experiments.common import machine, parse_systems, run_dir
 from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
-from agentkv.experiments.drivers.system import ROOT
+from agentkv.experiments.drivers.system import ROOT, rel
 from agentkv.experiments.drivers.vllm import start_vllm_server, vllm_status
 from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
-from agentkv.experiments.workloads.agent_runs import (Client, Pauses, Reply, kv_budget, openai_reply, plan,
-                                                      records_json, run_agents, summarize)
-from agentkv.experiments.workloads.workflows import Workflow
+from agentkv.experiments.workloads import agent_runs
+from agentkv.experiments.workloads.agent_runs import (Client, Pauses, Reply, openai_reply, records_json, run_agent,
+                                                      run_all, summarize)
 from agentkv.model.config import ModelConfig
+from agentkv.model.export import export_hf
 from agentkv.model.tokenizer import Tokenizer
 
 SYSTEMS = ("agentkv", "agentkv-noadmit", "agentkv-lru", "vllm-apc")
@@ -123,11 +131,12 @@ def timelines(base_url: str, run_tag: str, agents: list[str]) -> list[dict]:
     return out
 
 
-def needed_tokens(records: list, shared_prefix: int) -> int:
+def needed_tokens(records: list, shared: int) -> int:
     """Prompt tokens no system can avoid computing: each agent's first prompt
-    and each later turn's new tokens (its prompt less the one before and the
-    reply drawn then), the agents' shared prefix once. What a server computes
-    beyond this it computed before and lost (recomputation)."""
+    and each later request's new tokens (its prompt less the one before and
+    the reply drawn then), less `shared`, what the agents' shared prefixes
+    save held once. What a server computes beyond this it computed before
+    and lost (recomputation)."""
     needed = 0
     for agent in records:
         prev = None
@@ -136,7 +145,7 @@ def needed_tokens(records: list, shared_prefix: int) -> int:
                 break
             needed += t.prompt_tokens - (prev.prompt_tokens + prev.completion_tokens if prev else 0)
             prev = t
-    return needed - (len(records) - 1) * shared_prefix
+    return needed - shared
 
 
 def timeline_summary(turns: list[dict]) -> dict:
@@ -193,25 +202,52 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float 
     return {k: (after[m] - before.get(m, 0.0)) if m in after else None for k, m in COUNTERS.items()}
 
 
-def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespace, budget: dict, out: Path) -> dict:
+class Workload:
+    """One agent count's agents: their names, KV budget per fraction, and jobs for a client."""
+
+    def __init__(self, args: argparse.Namespace, n_agents: int, tokenizer: Tokenizer):
+        self.args, self.tokenizer = args, tokenizer
+        pauses = Pauses(args.seed, args.pause_scale)
+        if args.workload == "bfcl":
+            from agentkv.experiments.workloads import bfcl_agents  # bfcl-eval is installed apart (README)
+
+            self._bfcl = bfcl_agents
+            self.agents = bfcl_agents.pick_agents(n_agents, args.turns_per_agent, args.seed)
+            self.names = [a.agent for a in self.agents]
+            self.jobs = lambda client, on: {a.agent: partial(bfcl_agents.run_bfcl_agent, a, client, args.max_tokens,
+                                                             args.max_steps, pauses, on) for a in self.agents}
+        else:
+            self.wf = agent_runs.plan(args.seed, n_agents, args.turns_per_agent)
+            self.names = [c.agent for c in self.wf.conversations]
+            self.jobs = lambda client, on: {c.agent: partial(run_agent, c, client, args.max_tokens, pauses, on)
+                                            for c in self.wf.conversations}
+
+    def budget(self, fraction: float) -> dict:
+        """ValueError where the budget cannot hold the longest request."""
+        if self.args.workload == "bfcl":
+            return self._bfcl.kv_budget(self.tokenizer, self.agents, self.args.max_tokens, fraction, BLOCK)
+        return agent_runs.kv_budget(self.tokenizer, self.wf, self.args.max_tokens, fraction, BLOCK)
+
+
+def run_system(system: str, n_agents: int, work: Workload, args: argparse.Namespace, budget: dict,
+               out: Path) -> dict:
     log = out / f"{system}-{n_agents}.log"
     server = start_vllm(args, budget, log) if system == "vllm-apc" else start_agentkv(system, args, budget, log)
     try:
         warm_up(server.base_url)
         before = server.metrics()
-        with tqdm(total=sum(len(c.copied) for c in wf.conversations), desc=f"{system} x{n_agents}", unit="turn") as bar:
+        with tqdm(desc=f"{system} x{n_agents}", unit="request") as bar:
             client = http_client(server.base_url, system != "vllm-apc", f"s{args.seed}")
-            records, wall = run_agents(wf, client, args.max_tokens, Pauses(args.seed, args.pause_scale), bar.update)
+            records, wall = run_all(work.jobs(client, bar.update))
         counters = delta(before, server.metrics())
-        agents = [c.agent for c in wf.conversations]
-        turns = timelines(server.base_url, f"s{args.seed}", agents) if system != "vllm-apc" else []
+        turns = timelines(server.base_url, f"s{args.seed}", work.names) if system != "vllm-apc" else []
     finally:
         server.stop()
     # Prompt tokens the server computed, recomputation after preemption included.
     computed = counters["computed_tokens"]
     if computed is None and counters["vllm_cached_tokens"] is not None:
         computed = counters["prompt_tokens_server"] - counters["vllm_cached_tokens"]
-    needed = needed_tokens(records, budget["shared_prefix_tokens"])
+    needed = needed_tokens(records, budget["working_set_tokens"] - budget["distinct_tokens"])
     row = {"system": system, "agents": n_agents, **budget, **summarize(records, wall), **counters,
            "computed_server": computed, "needed_tokens": needed,
            "recomputed_tokens": None if computed is None else max(0, computed - needed), "kv_bytes": kv_bytes(system, budget), "timeline": turns,
@@ -221,12 +257,11 @@ def run_system(system: str, n_agents: int, wf: Workflow, args: argparse.Namespac
     return row
 
 
-def budget_for(wf: Workflow, tokenizer: Tokenizer, args: argparse.Namespace, cfg: ModelConfig,
-               fraction: float) -> dict | None:
+def budget_for(work: Workload, args: argparse.Namespace, cfg: ModelConfig, fraction: float) -> dict | None:
     """The cell's KV budget; None (said) where it cannot hold the longest request."""
     token_bytes = kv_bytes_per_token(cfg, args.dtype)
     try:
-        budget = kv_budget(tokenizer, wf, args.max_tokens, fraction, BLOCK)
+        budget = work.budget(fraction)
     except ValueError as e:
         print(f"skipped: {e}")
         return None
@@ -239,7 +274,8 @@ def same_replies(rows: list[dict]) -> None:
     """Per row, how many replies equal the first system's at the same concurrency (greedy, same weights)."""
     first: dict[tuple, dict] = {}
     for row in rows:
-        replies = {(t["agent"], t["turn"]): t["text"] for r in row["records"] for t in r["turns"] if not t["error"]}
+        replies = {(t["agent"], i): t["text"] for r in row["records"] for i, t in enumerate(r["turns"])
+                   if not t["error"]}
         ref = first.setdefault((row["agents"], row["fraction"]), {"system": row["system"], "replies": replies})
         row["replies_equal_to"] = ref["system"]
         row["replies_equal"] = sum(ref["replies"].get(k) == v for k, v in replies.items())
@@ -249,7 +285,8 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "job s p50",
+HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "end state ok",
+           "job s p50",
            "job s p90", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored",
            "hit rate", "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s",
            "replies = first"]
@@ -265,14 +302,16 @@ def table_rows(rows: list[dict]) -> list[list]:
         out.append([
             r["system"], r["agents"],
             f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
-            f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]), fmt(r["job_s_median"]), fmt(r["job_s_p90"]),
+            f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]),
+            f"{r['jobs_passed']}/{r['jobs_checked']}" if r["jobs_checked"] else "-", fmt(r["job_s_median"]),
+            fmt(r["job_s_p90"]),
             fmt(r["turn_s_p50"], ".2f"), fmt(r["turn_s_p90"], ".2f"), r["prompt_tokens"], r["reused_tokens"],
             fmt(r["computed_server"], ".0f"), fmt(r["recomputed_tokens"], ".0f"), fmt(r["restored_tokens"], ".0f"),
             fmt(hit, ".2f"),
             f"{fmt(r['preemptions'], '.0f')} ({fmt(r['repeat_preemptions'], '.0f')})", fmt(r["admission_refusals"], ".0f"),
             f"{fmt(mb(r['offload_bytes']))} / {fmt(r['offload_s'], '.2f')}",
             f"{fmt(mb(r['restore_bytes']))} / {fmt(r['restore_s'], '.2f')}",
-            f"{r['replies_equal']}/{r['completed_turns']}",
+            f"{r['replies_equal']}/{r['requests']}",
         ])
     return out
 
@@ -330,17 +369,22 @@ def run(args: argparse.Namespace) -> dict:
         skipped["vllm-apc"] = why
         systems.remove("vllm-apc")
     out = run_dir("bench_agents", args.out)
+    if not (args.model / "config.json").is_file():
+        # Once, before anything is timed: the same dequantized, merged weights for every system.
+        args.model = export_hf(args.model, ROOT / "runs" / "hf" / f"{args.model.resolve().name}-{args.dtype}",
+                               args.dtype)
+        print(f"serving {rel(args.model)} (exported)")
     tokenizer = Tokenizer.from_dir(args.model)
     cfg = model_config(args.model)
     rows = []
     for n in [int(x) for x in str(args.agents).split(",")]:
-        wf = plan(args.seed, n, args.turns_per_agent)
+        work = Workload(args, n, tokenizer)
         for fraction in [float(x) for x in str(args.kv_fraction).split(",")]:
-            budget = budget_for(wf, tokenizer, args, cfg, fraction)
+            budget = budget_for(work, args, cfg, fraction)
             if budget is None:
                 continue
             for system in systems:
-                rows.append(run_system(system, n, wf, args, budget, out))
+                rows.append(run_system(system, n, work, args, budget, out))
     same_replies(rows)
     return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": machine(),
             "skipped": skipped, "rows": rows, "out_dir": str(out)}
@@ -349,7 +393,10 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--agents", default="16", help="concurrent agents, 4 to 32; a comma list runs each (e.g. 4,16)")
-    p.add_argument("--turns-per-agent", type=int, default=4)
+    p.add_argument("--turns-per-agent", type=int, default=4, help="user turns per agent")
+    p.add_argument("--workload", default="generated", choices=["generated", "bfcl"],
+                   help="generated: scripted workflows of one role; bfcl: BFCL v4's multi-turn agents on its classes")
+    p.add_argument("--max-steps", type=int, default=4, help="bfcl: replies with calls per user turn before it is cut")
     p.add_argument("--max-tokens", type=int, default=96, help="cap on each reply (greedy)")
     p.add_argument("--pause-scale", type=float, default=1.0, help="multiplies every tool pause (0: none)")
     p.add_argument("--kv-fraction", default="0.5",

@@ -12,15 +12,23 @@ memory in all (on a CPU a host tier would be the same RAM, so none has one):
 - block-hash: a fresh session per request, prefix reuse in whole pages,
   plain LRU, no host tier, as vLLM's automatic prefix caching serves it.
 
-The agents run live (experiments/workloads/agent_runs.py): their histories hold the
-model's own replies, tool results are the workload's, pauses are seeded
-log-normals per tool name. Each agent is a thread calling Engine.start_chat
-while the scheduler loop batches them all.
+The agents (--workload bfcl, the default) are BFCL v4's multi-turn
+conversations run live (experiments/workloads/bfcl_agents.py): every tool
+call runs on BFCL's own classes (GorillaFileSystem, TradingBot, ...), the
+results go back to the model, each agent's end state is checked against
+BFCL's ground truth, and a seeded log-normal pause per tool class stands
+for remote tools. --workload generated: the generated workflows of
+experiments/workloads/agent_runs.py (scripted tool results, pauses per
+tool name). Each agent is a thread calling Engine.start_chat while the
+scheduler loop batches them all. Writes results.json, report.txt, a
+timeline PNG (each agent's requests, queue waits and tool pauses per
+system) and an offline wandb run under --out.
 
 With --shape 6|35|interleaved: the earlier teacher-forced replay of one
 workflow turn by turn, stateful vs stateless, a row per turn.
 
-    python serve.py demo [--agents 6] [--turns-per-agent 3] [--pause-scale 1] [--kv-fraction 0.3]
+    python serve.py demo [--agents 8] [--turns-per-agent 2] [--pause-scale 1] [--kv-fraction 0.3] [--out DIR]
+    python serve.py demo --workload generated [--agents 6] [--turns-per-agent 3]
     python serve.py demo --shape 6|35|interleaved [--seed 0] [--model PATH]
 """
 from __future__ import annotations
@@ -28,14 +36,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 from tqdm import tqdm
 
 from agentkv import Engine
-from agentkv.experiments.common import median, parse_systems
+from agentkv.experiments.common import median, parse_systems, run_dir
 from agentkv.experiments.drivers.replay import prepare_requests, workflow
-from agentkv.experiments.report import table
-from agentkv.experiments.workloads.agent_runs import Client, Pauses, Reply, kv_budget, plan, run_agents, summarize
+from agentkv.experiments.report import WandbRun, publish, table, write_json
+from agentkv.experiments.timeline import plot_timelines
+from agentkv.experiments.workloads import agent_runs
+from agentkv.experiments.workloads.agent_runs import Client, Pauses, Reply, records_json, run_agent, run_all, summarize
 from agentkv.experiments.workloads.workflows import Workflow, interleaved_run
 from agentkv.kernels.cpu_extension import isa
 from agentkv.kernels.dispatch import build_cpu_kernels
@@ -50,7 +63,8 @@ def engine_client(engine: Engine, agents: list[str] | None) -> Client:
     def call(agent: str, messages: list[dict], tools: list[dict], max_tokens: int) -> Reply:
         r = engine.start_chat(messages, tools, session=sessions.get(agent), max_tokens=max_tokens,
                               temperature=0.0).wait()
-        return Reply(r.text, r.tool_calls, r.usage["prompt_tokens"], r.usage["cached_tokens"], r.finish_reason)
+        return Reply(r.text, r.tool_calls, r.usage["prompt_tokens"], r.usage["cached_tokens"], r.finish_reason,
+                     r.usage["completion_tokens"], r.stats.queued_s if r.stats is not None else 0.0)
 
     return call
 
@@ -64,46 +78,82 @@ def system_engine(system: str, base: Engine, kv_bytes: int) -> Engine:
     return Engine(base.model, base.tokenizer, kv_cache_bytes=kv_bytes, kv_offload_bytes=0, **kwargs)
 
 
+Jobs = Callable[[Client, Callable[[], object]], dict]  # (client, on_request) -> each agent's job
+
+
+def workload(args: argparse.Namespace, tokenizer, page_size: int) -> tuple[dict, list[str], Jobs, str]:
+    """The run's KV budget, its agents, their jobs and a line that says what they are."""
+    pauses = Pauses(args.seed, args.pause_scale)
+    if args.workload == "bfcl":
+        from agentkv.experiments.workloads import bfcl_agents  # bfcl-eval is installed apart (README)
+
+        roles = tuple(args.roles.split(",")) if args.roles else bfcl_agents.DEFAULT_ROLES
+        agents = bfcl_agents.pick_agents(args.agents, args.turns_per_agent, args.seed, roles)
+        budget = bfcl_agents.kv_budget(tokenizer, agents, args.max_tokens, args.kv_fraction, page_size)
+        mix = ", ".join(f"{n} x {r}" for r, n in sorted(Counter(a.role for a in agents).items()))
+
+        def jobs(client: Client, on_request) -> dict:
+            return {a.agent: partial(bfcl_agents.run_bfcl_agent, a, client, args.max_tokens, args.max_steps, pauses,
+                                     on_request) for a in agents}
+
+        what = (f"BFCL v4 multi_turn_base agents ({mix}), their first {args.turns_per_agent} user turns, tools run "
+                f"on BFCL's classes, up to {args.max_steps} replies with calls a turn")
+        return budget, [a.agent for a in agents], jobs, what
+    wf = agent_runs.plan(args.seed, args.agents, args.turns_per_agent)
+    budget = agent_runs.kv_budget(tokenizer, wf, args.max_tokens, args.kv_fraction, page_size)
+
+    def generated_jobs(client: Client, on_request) -> dict:
+        return {c.agent: partial(run_agent, c, client, args.max_tokens, pauses, on_request) for c in wf.conversations}
+
+    what = f"generated agents of one role, {args.turns_per_agent} turns each, scripted tool results"
+    return budget, [c.agent for c in wf.conversations], generated_jobs, what
+
+
 def agents_run(args: argparse.Namespace) -> dict:
     base = Engine.from_pretrained(args.model, dtype=args.dtype, num_pages=1)  # the model and tokenizer; each system gets its own pool
-    wf = plan(args.seed, args.agents, args.turns_per_agent)
     token_bytes = base.pool.token_bytes
     try:
-        budget = kv_budget(base.tokenizer, wf, args.max_tokens, args.kv_fraction, base.pool.page_size)
+        budget, names, jobs, what = workload(args, base.tokenizer, base.pool.page_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    pauses = Pauses(args.seed, args.pause_scale)
-    rows = []
+    rows, records = [], {}
     for system in parse_systems(args.systems, SYSTEMS):
         engine = system_engine(system, base, budget["tokens"] * token_bytes)
-        client = engine_client(engine, [c.agent for c in wf.conversations] if system == "stateful" else None)
+        client = engine_client(engine, names if system == "stateful" else None)
         engine.scheduler.start()
         try:
-            with tqdm(total=sum(len(c.copied) for c in wf.conversations), desc=system, unit="turn") as bar:
-                records, wall = run_agents(wf, client, args.max_tokens, pauses, on_turn=bar.update)
+            with tqdm(desc=system, unit="request") as bar:
+                recs, wall = run_all(jobs(client, bar.update))
         finally:
             engine.scheduler.stop()
         totals = engine.scheduler.turn_totals
         kv_bytes = engine.pool.num_pages * engine.pool.page_size * token_bytes
-        rows.append({"system": system, **summarize(records, wall), "kv_bytes": kv_bytes,
+        records[system] = records_json(recs)
+        rows.append({"system": system, **summarize(recs, wall), "kv_bytes": kv_bytes, "host_tier_bytes": 0,
                      "computed_tokens": int(totals.get("computed_tokens", 0)),
                      "restored_tokens": int(totals.get("restored_tokens", 0)),
                      "preemptions": engine.scheduler.counters.preemptions})
-    return {"agents": args.agents, **budget, "pause_scale": args.pause_scale, "rows": rows}
+    return {"workload": args.workload, "what": what, "agents": args.agents, **budget, "pause_scale": args.pause_scale,
+            "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "records": records}
 
 
-def print_agents(res: dict, args: argparse.Namespace) -> None:
+def agents_report(res: dict) -> str:
+    args = res["config"]
     pauses = res["rows"][0]["pause_s_total"]
-    print(f"\n{res['agents']} agents at once, {args.turns_per_agent} turns each, replies up to {args.max_tokens} tokens; "
-          f"KV pool {res['tokens']} tokens = {res['headroom']:.0%} of their working set ({res['working_set_tokens']}; "
-          f"{res['distinct_tokens']} with their shared prefix once); tool pauses 0.2-20 s x{args.pause_scale} "
-          f"({pauses:.0f} s in all)")
-    body = [[r["system"], f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]),
-             r["job_s_median"],
-             r["job_s_p90"], f"{r['turn_s_p50']:.2f}", f"{r['turn_s_p90']:.2f}", r["computed_tokens"], r["prompt_tokens"],
-             r["reused_tokens"], r["restored_tokens"], r["preemptions"], r["wall_s"]] for r in res["rows"]]
-    print(table(["system", "KV MB in all", "turns", "errors", "job s p50", "job s p90", "turn s p50", "turn s p90", "computed tok",
-                 "prompt tok", "reused tok", "of which restored", "preemptions", "wall s"], body))
+    head = (f"{res['agents']} agents at once: {res['what']}; replies up to {args['max_tokens']} tokens, greedy.\n"
+            f"Memory: every system gets the same KV pool, {res['tokens']} tokens = {res['headroom']:.0%} of the agents' "
+            f"working set ({res['working_set_tokens']} tokens; {res['distinct_tokens']} with shared prefixes held "
+            f"once), and no host tier beside it (on a CPU a tier is the same RAM as the pool).\n"
+            f"Tool pauses: seeded log-normals per tool, 0.2-20 s x{res['pause_scale']} "
+            f"({pauses:.0f} s in all in the first system's run).")
+    checked = res["rows"][0]["jobs_checked"]
+    body = [[r["system"], f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", r["requests"],
+             len(r["errors"]), f"{r['jobs_passed']}/{checked}" if checked else "-", r["job_s_median"], r["job_s_p90"],
+             f"{r['turn_s_p50']:.2f}", f"{r['turn_s_p90']:.2f}", f"{r['queued_s_total']:.1f}", r["computed_tokens"],
+             r["prompt_tokens"], r["reused_tokens"], r["preemptions"], r["wall_s"]] for r in res["rows"]]
+    return head + "\n" + table(
+        ["system", "KV MB", "turns", "requests", "errors", "end state ok", "job s p50", "job s p90", "request s p50",
+         "request s p90", "queued s", "computed tok", "prompt tok", "reused tok", "preemptions", "wall s"], body)
 
 
 # ---------------------------------------------------------------------------
@@ -154,36 +204,46 @@ def print_replay(rows: list[dict]) -> None:
           f"{sum(r['prompt'] for r in rows)}")
 
 
-def main(argv: list[str] | None = None) -> dict | list[dict]:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="serve.py demo", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="agents", choices=["agents", "6", "35", "interleaved"],
                    help="agents: many agents at once with tool pauses; 6|35|interleaved: teacher-forced replay")
-    p.add_argument("--agents", type=int, default=6, help="agents at once")
-    p.add_argument("--turns-per-agent", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=96, help="cap on each reply (greedy; 96 holds a whole tool call)")
+    p.add_argument("--workload", default="bfcl", choices=["bfcl", "generated"],
+                   help="bfcl: BFCL v4's multi-turn agents on its tool classes; generated: scripted workflows")
+    p.add_argument("--agents", type=int, default=8, help="agents at once")
+    p.add_argument("--turns-per-agent", type=int, default=2, help="user turns per agent")
+    p.add_argument("--roles", default=None,
+                   help="bfcl: the agents' BFCL classes, comma-separated, agents spread over them in turn "
+                        "(a role of several classes joins them with +; default GorillaFileSystem,TradingBot)")
+    p.add_argument("--max-steps", type=int, default=4, help="bfcl: replies with calls per user turn before it is cut")
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on each reply (greedy)")
     p.add_argument("--pause-scale", type=float, default=1.0, help="multiplies every tool pause (0: none)")
     p.add_argument("--kv-fraction", type=float, default=0.3,
-                   help="KV pool / the agents' working set (0.3: about half of it with the shared prefix held once)")
+                   help="KV pool / the agents' working set (their shared prefixes held once is about a third of it)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16, or auto (the checkpoint's own where the CPU computes in it)")
-    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--out", default=None, help="the run's folder (default runs/demo-<time>)")
     args = p.parse_args(argv)
+    out = run_dir("demo", args.out)
     started = time.perf_counter()
     failed = build_cpu_kernels()  # before any clock starts: a first-use compile is no system's time
     print(f"C++ CPU kernels for {isa()} ready in {time.perf_counter() - started:.1f} s"
           + "".join(f"; {k} did not build ({e}), its torch path runs" for k, e in failed.items()))
-    if args.shape == "agents":
-        res = agents_run(args)
-        print_agents(res, args)
-    else:
-        res = replay(args)
-        print_replay(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    if args.shape != "agents":
+        rows = replay(args)
+        print_replay(rows)
+        write_json(out / "results.json", {"shape": args.shape, "rows": rows})
+        return {"shape": args.shape, "rows": rows}
+    res = agents_run(args)
+    summary = {f"{r['system']}/{k}": r[k] for r in res["rows"]
+               for k in ("job_s_median", "job_s_p90", "turn_s_p90", "computed_tokens", "jobs_passed")}
+    publish(out, res, agents_report(res), plots={"timeline.png": lambda r, path: plot_timelines(r["records"], path)},
+            wandb=WandbRun("demo", res["config"], summary, tables={"systems": (
+                list(res["rows"][0]), [[json.dumps(v) if isinstance(v, list) else v for v in r.values()]
+                                       for r in res["rows"]])}))
     return res
 
 

@@ -36,6 +36,7 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable
 
 from agentkv.cache.tokens import common_prefix_len
@@ -59,6 +60,7 @@ class Reply:
     cached_tokens: int
     finish_reason: str
     completion_tokens: int = 0
+    queued_s: float = 0.0  # the server's own queueing before admission, where it reports it
 
 
 Client = Callable[[str, list[dict], list[dict], int], Reply]
@@ -78,6 +80,8 @@ class TurnRecord:
     text: str = ""  # the reply as it went into the history (text and calls), to compare systems
     error: str | None = None
     completion_tokens: int = 0
+    start_s: float = 0.0  # when the call was sent, from the run's start
+    queued_s: float = 0.0  # of latency_s, waiting for admission (where the server reports it)
 
 
 @dataclass
@@ -85,7 +89,9 @@ class AgentRecord:
     agent: str
     planned_turns: int
     job_s: float  # from the agent's start to its last reply (or its failure)
-    turns: list[TurnRecord]
+    turns: list[TurnRecord]  # one per request
+    passed: bool | None = None  # the job's outcome where the workload checks it (BFCL's end state)
+    reason: str | None = None  # why it did not pass
 
     @property
     def errors(self) -> list[str]:
@@ -147,20 +153,23 @@ def reply_text(message: dict) -> str:
 
 
 def run_agent(conv: Conversation, client: Client, max_tokens: int, pauses: Pauses,
-              on_turn: OnTurn | None = None) -> AgentRecord:
-    """One agent's whole job, live: its turns in order, pausing after each tool turn."""
+              on_turn: OnTurn | None = None, t0: float | None = None) -> AgentRecord:
+    """One agent's whole job, live: its turns in order, pausing after each
+    tool turn; t0 is the run's start (perf_counter), the agent's own by default."""
     messages = copy.deepcopy(conv.messages)
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     turns: list[TurnRecord] = []
     start = time.perf_counter()
+    t0 = start if t0 is None else t0
     for k, i in enumerate(at):
-        t0 = time.perf_counter()
+        sent = time.perf_counter()
         try:
             r = client(conv.agent, messages[:i], conv.tools, max_tokens)
-            latency = time.perf_counter() - t0
+            latency = time.perf_counter() - sent
             messages[i] = as_message(r.text, r.calls, messages[i])
         except Exception as e:  # noqa: BLE001 - a failed turn ends this agent's job, recorded
-            turns.append(TurnRecord(conv.agent, k, time.perf_counter() - t0, 0.0, error=f"{type(e).__name__}: {e}"))
+            turns.append(TurnRecord(conv.agent, k, time.perf_counter() - sent, 0.0, error=f"{type(e).__name__}: {e}",
+                                    start_s=sent - t0))
             break
         finally:
             if on_turn is not None:
@@ -169,7 +178,8 @@ def run_agent(conv: Conversation, client: Client, max_tokens: int, pauses: Pause
         reference = [c["function"]["name"] for c in conv.messages[i].get("tool_calls") or []]
         pause = pauses.draw(conv.agent, k, called or reference) if k + 1 < len(at) else 0.0
         turns.append(TurnRecord(conv.agent, k, latency, pause, r.prompt_tokens, r.cached_tokens, called,
-                                r.finish_reason, reply_text(messages[i]), completion_tokens=r.completion_tokens))
+                                r.finish_reason, reply_text(messages[i]), completion_tokens=r.completion_tokens,
+                                start_s=sent - t0, queued_s=r.queued_s))
         time.sleep(pause)
     return AgentRecord(conv.agent, len(at), time.perf_counter() - start, turns)
 
@@ -178,18 +188,27 @@ def run_agents(wf: Workflow, client: Client, max_tokens: int, pauses: Pauses,
                on_turn: OnTurn | None = None) -> tuple[list[AgentRecord], float]:
     """Every agent in its own thread, all started together. Returns their
     records (in the workflow's order) and the wall time of the whole run."""
+    return run_all({c.agent: partial(run_agent, c, client, max_tokens, pauses, on_turn) for c in wf.conversations})
+
+
+Job = Callable[..., AgentRecord]  # job(t0=the run's start) -> the agent's record
+
+
+def run_all(jobs: dict[str, Job]) -> tuple[list[AgentRecord], float]:
+    """Each agent's job in its own thread, all started together. Returns
+    their records (in the jobs' order) and the wall time of the whole run."""
     records: dict[str, AgentRecord] = {}
-
-    def one(conv: Conversation) -> None:
-        records[conv.agent] = run_agent(conv, client, max_tokens, pauses, on_turn)
-
-    threads = [threading.Thread(target=one, args=(c,), name=f"agent-{c.agent}") for c in wf.conversations]
     start = time.perf_counter()
+
+    def one(agent: str) -> None:
+        records[agent] = jobs[agent](t0=start)
+
+    threads = [threading.Thread(target=one, args=(a,), name=f"agent-{a}") for a in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return [records[c.agent] for c in wf.conversations], time.perf_counter() - start
+    return [records[a] for a in jobs], time.perf_counter() - start
 
 
 def p90(xs: list[float]) -> float:
@@ -200,15 +219,22 @@ def p90(xs: list[float]) -> float:
 
 
 def summarize(records: list[AgentRecord], wall_s: float) -> dict:
-    """Job completion per agent, per-turn latency, tokens reused and computed (from usage), errors."""
+    """Job completion per agent, per-request latency, tokens reused and
+    computed (from usage), errors, and where the workload checks jobs, how
+    many passed. A turn is a user turn; it may take several requests."""
     turns = [t for r in records for t in r.turns if not t.error]
     jobs = [r.job_s for r in records if not r.errors]
     pauses = [t.pause_s for t in turns if t.pause_s > 0]
     prompt = sum(t.prompt_tokens for t in turns)
     cached = sum(t.cached_tokens for t in turns)
+    checked = [r.passed for r in records if r.passed is not None]
     return {
         "planned_turns": sum(r.planned_turns for r in records),
-        "completed_turns": len(turns),
+        "completed_turns": len({(t.agent, t.turn) for t in turns}),
+        "requests": len(turns),
+        "queued_s_total": sum(t.queued_s for t in turns),
+        "jobs_passed": sum(checked) if checked else None,
+        "jobs_checked": len(checked),
         "errors": [e for r in records for e in r.errors],
         "job_s_median": statistics.median(jobs) if jobs else float("nan"),
         "job_s_p90": p90(jobs),
