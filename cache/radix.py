@@ -101,6 +101,13 @@ class RadixCache:
             self.misses += 1
         return length, pages
 
+    def peek(self, tokens: Sequence[int], namespace: str = "default") -> tuple[int, list[int]]:
+        """What match would give now, taking no references and counting no
+        hit: for estimates (program admission) that must not change the cache."""
+        root = self._roots.get(namespace)
+        path, length = self._descend(root, list(tokens)) if root else ([], 0)
+        return length, self._pages_along(path, length)
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int], namespace: str = "default") -> int:
         """Publish tokens whose KV is in pages (tokens[i] in pages[i // ps]). The
         tree increfs the pages it newly stores; the part already cached keeps its

@@ -6,7 +6,12 @@ A program is a session and the forks that work its turns (they share the
 sequence key that names its KV in the second tier); a request without a
 session is a program of one turn. Its working set is the KV it holds plus
 what it is expected to add: the tokens its latest turn queued beyond what
-was held (its delta), and the reply it may still draw.
+was held or is in the prefix cache (its delta), the same again for its
+next turn (turns of one agent grow alike), and the reply it may still
+draw. Pages are counted once however many programs hold them (agents of
+one role share their system prompt and tools, copy-on-write, and a
+newcomer reuses what the prefix cache holds): counting each program's
+prefix apart admitted a few agents where the pool held them all.
 
 A new program's first request is admitted only while the admitted programs'
 working sets and its own fit the pool plus the second tier; otherwise it
@@ -27,23 +32,27 @@ from typing import Callable
 from agentkv.engine.request import Request
 from agentkv.engine.sequence import Sequence
 
+Cached = Callable[[Sequence], tuple[int, list[int]]]  # the prefix cache's (length, pages) for a sequence's tokens
+
 
 @dataclass(eq=False)
 class Program:
     key: str
-    delta: int = 0  # tokens its latest turn queued beyond what was held
+    delta: int = 0  # tokens its latest turn queued beyond what was held or cached
     reply: int = 0  # tokens its latest turn may draw
+    cached: tuple[int, ...] = ()  # prefix-cache pages its latest turn will reuse
 
 
 class ProgramAdmission:
     def __init__(self, capacity_pages: int, page_size: int, family: Callable[[str], set[Sequence]],
-                 enabled: bool = True):
+                 enabled: bool = True, cached: Cached | None = None):
         self.capacity = capacity_pages  # the pool's plus the second tier's host memory's, in pages
         self.page_size = page_size
         # A program's live sequences (Sequences.family): its session, and a fork
         # working a turn, which the session adopts when the turn ends.
         self.family = family
         self.enabled = enabled
+        self.cached = cached
         self.admitted: dict[str, Program] = {}
         self.refusals = 0  # requests a step left waiting for their program's admission
         self._queue_closed = False  # this pass refused a program: later ones wait too
@@ -67,29 +76,37 @@ class ProgramAdmission:
             return True
         if not self.enabled:
             return True
-        candidate = Program(seq.key)
-        self._note_turn(candidate, req)
         # Once one program waits this step, the rest do (checked first: a
         # long queue costs the step nothing more); else it must fit while
         # any admitted program is running.
-        if self._queue_closed or (self._running() and not self._fits(candidate)):
-            # First come, first served: a program that came later never passes one left waiting.
-            self._queue_closed = True
-            self.refusals += 1
-            return False
-        self.admitted[seq.key] = candidate
-        return True
+        if not self._queue_closed:
+            candidate = Program(seq.key)
+            self._note_turn(candidate, req)
+            if not self._running() or self._fits(candidate):
+                self.admitted[seq.key] = candidate
+                return True
+        # First come, first served: a program that came later never passes one left waiting.
+        self._queue_closed = True
+        self.refusals += 1
+        return False
 
     def _running(self) -> bool:
         return any(s.busy for key in self.admitted for s in self.family(key))
 
     def _fits(self, candidate: Program) -> bool:
-        return sum(map(self._pages, self.admitted.values())) + self._pages(candidate) <= self.capacity
-
-    def _pages(self, p: Program) -> int:
-        """Its working set: the KV it holds, its last turn's delta again, and the reply it may draw."""
-        held = max((len(s) for s in self.family(p.key)), default=0)
-        return -(-(held + p.delta + p.reply) // self.page_size)
+        """Whether the admitted programs' working sets and the candidate's fit:
+        the pages they hold or will reuse (each once), what each one's turn
+        still has to compute and as much again for its next, and the replies."""
+        held: set[int] = set()
+        tokens = 0
+        for p in (*self.admitted.values(), candidate):
+            family = self.family(p.key)
+            for s in family:
+                held.update(s.table.held_pages())
+            held.update(p.cached)
+            pending = p.delta if p is candidate else max((s.pending for s in family), default=0)
+            tokens += pending + p.delta + p.reply
+        return len(held) + -(-tokens // self.page_size) <= self.capacity
 
     def evict(self, key: str) -> None:
         """The program's running request was preempted: its place goes, and
@@ -98,7 +115,10 @@ class ProgramAdmission:
 
     def _note_turn(self, p: Program, req: Request) -> None:
         seq = req.seq
-        p.delta = len(seq.tokens) - seq.table.length
+        # As the KV policy reuses it: a sequence holding no KV starts from the cached prefix.
+        length, pages = self.cached(seq) if self.cached is not None and not seq.table.length else (0, [])
+        p.cached = tuple(pages)
+        p.delta = len(seq.tokens) - max(seq.table.length, length)
         p.reply = req.params.max_tokens if req.params is not None else 0
 
     def counts(self, waiting: list[Request], idle: list[Sequence]) -> dict[str, int]:

@@ -31,7 +31,8 @@ def check_rows(res: dict, turns: int) -> dict:
 def test_bfcl_agents_default_workload(tmp_path, capsys):
     pytest.importorskip("bfcl_eval")
     res = demo.main(["--model", str(SMALL_MODEL_DIR), "--agents", "2", "--turns-per-agent", "1", "--max-tokens", "24",
-                     "--pause-scale", "0.01", "--kv-fraction", "0.6", "--out", str(tmp_path)])
+                     "--pause-scale", "0.01", "--kv-fraction", "0.6", "--systems", ",".join(demo.SYSTEMS),
+                     "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "2 agents at once: BFCL v4 multi_turn_base agents (1 x GorillaFileSystem, 1 x TradingBot)" in out
     assert "no host tier" in out
@@ -45,7 +46,8 @@ def test_bfcl_agents_default_workload(tmp_path, capsys):
 
 def test_generated_agents(tmp_path, capsys):
     res = demo.main(["--workload", "generated", "--agents", "3", "--turns-per-agent", "2", "--max-tokens", "8",
-                     "--pause-scale", "0.02", "--kv-fraction", "0.6", "--out", str(tmp_path)])
+                     "--pause-scale", "0.02", "--kv-fraction", "0.6", "--systems", ",".join(demo.SYSTEMS),
+                     "--out", str(tmp_path)])
     assert "3 agents at once: generated agents" in capsys.readouterr().out
     rows = check_rows(res, 6)
     # Same replies on every system (greedy, fp32), so the same prompts.

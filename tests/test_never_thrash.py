@@ -89,6 +89,35 @@ def test_a_preempted_request_is_not_preempted_again_before_it_progresses(ckpt, r
         s.close()
 
 
+def test_programs_sharing_a_prefix_are_admitted_together(ckpt, roomy):
+    # Three agents of one role: a 64-token shared prefix (their system prompt
+    # and tools) and 8 tokens of their own, 8 drawn. Counted apart, each is 72
+    # tokens held, as many expected next turn and its reply (38 pages): two
+    # would not fit the 52-page pool. The prefix held once and reused from
+    # the cache, the newcomers add 6 pages each: all three do.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=52, kv_offload_bytes=0,
+                                    limits=Limits(max_num_batched_tokens=32, prefill_chunk=8))
+    prefix = ids(64, 90)
+    prompts = [prefix + ids(8, 91 + i) for i in range(3)]
+    sessions = [engine.session() for _ in prompts]
+    sessions[0].queue(prompts[0])
+    reqs = [sessions[0].start_generate(max_tokens=8, ignore_eos=True, speculative=False)]
+    while not reqs[0].output:  # its prompt computed (the prefix now cached), it is still running
+        engine.scheduler.step()
+    for s, p in zip(sessions[1:], prompts[1:]):
+        s.queue(p)
+        reqs.append(s.start_generate(max_tokens=8, ignore_eos=True, speculative=False))
+    engine.scheduler.step()
+    assert engine.scheduler.programs.refusals == 0
+    assert engine.scheduler.programs.counts([], [])["admitted"] == 3
+    for r in reqs:
+        engine.scheduler.wait(r)
+    assert [r.output for r in reqs] == [alone(roomy, [p], 8)[0] for p in prompts]
+    assert engine.scheduler.counters.preemptions == 0
+    for s in sessions:
+        s.close()
+
+
 def test_admission_queues_a_program_rather_than_thrash(ckpt, roomy):
     # Each program: a 40-token prompt and 3 turns of 12 more + 12 drawn, about
     # 120 tokens: the 32-page pool (128 tokens) holds one, not two at once.

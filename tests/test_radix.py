@@ -254,6 +254,23 @@ def test_counters():
         cache.insert(seq, [0])
 
 
+def test_peek_is_what_match_gives_without_taking_references_or_counting():
+    pool = make_pool(page_size=4)
+    cache = RadixCache(pool)
+    seq = list(range(10))
+    publish(pool, cache, seq)
+    publish(pool, cache, seq[:6] + [50, 51, 52])
+    refs = list(pool.refcount)
+    for query in (seq, seq[:6] + [50, 99], seq[:3], [99], seq + [1, 2]):
+        stats = cache.stats()
+        peeked = cache.peek(query)
+        assert pool.refcount == refs and cache.stats() == stats
+        length, pages = cache.match(query)
+        pool.decref(pages)
+        assert peeked == (length, pages)
+    assert cache.peek(seq, namespace="other") == (0, [])
+
+
 def test_clear_and_a_dropped_tree_give_every_page_back():
     pool = make_pool(page_size=4)
     cache = RadixCache(pool)
