@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from agentkv.cache.tokens import common_prefix_len
-from agentkv.experiments.workloads.agent_runs import AgentRecord, Client, OnTurn, Pauses, TurnRecord
+from agentkv.experiments.workloads.agent_runs import AgentRecord, Client, OnTurn, Pauses, TurnRecord, reply_text
 from agentkv.experiments.workloads.bfcl import Reply, execute_multi_turn_func_call, load_items, openai_tools, \
     run_multi_turn, tool_classes
 
@@ -153,7 +153,7 @@ def run_bfcl_agent(agent: BfclAgent, client: Client, max_tokens: int, max_steps:
                                for c in r.calls])
         requests.append(TurnRecord(agent.agent, turn, time.perf_counter() - sent, 0.0, r.prompt_tokens,
                                    r.cached_tokens, [c["name"] for c in r.calls], r.finish_reason,
-                                   json.dumps(reply.message()), completion_tokens=r.completion_tokens,
+                                   reply_text(reply.message()), completion_tokens=r.completion_tokens,
                                    start_s=sent - t0, queued_s=r.queued_s))
         return reply
 
