@@ -84,6 +84,9 @@ def serve(argv: list[str]) -> None:
                         help="live sessions; past it the longest idle one is closed")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
+    limits.add_argument("--max-retain-seconds", type=float, default=defaults.max_retain_s,
+                        help="the longest pin POST /v1/sessions/{id}/retain may ask for, and what one without "
+                             "seconds gets: no client holds KV in the pool for good")
     access = parser.add_argument_group("tenants", "who may use the server, and how much of it each tenant may hold "
                                        "(the --tenant-* quotas apply with API keys: an open server has one tenant)")
     access.add_argument("--api-key", action="append", default=[],
@@ -157,7 +160,7 @@ def serve(argv: list[str]) -> None:
                                     margin=args.tool_ttl_margin)
         limits = Limits(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=min(args.prefill_chunk, args.max_num_batched_tokens), max_queue=args.max_queue, max_sessions=args.max_sessions,
-                        session_idle_timeout=args.session_idle_timeout)
+                        session_idle_timeout=args.session_idle_timeout, max_retain_s=args.max_retain_seconds)
         quotas = Quotas(max_sessions=args.tenant_max_sessions, max_responses=args.tenant_max_responses,
                         max_concurrent=args.tenant_max_concurrent, max_kv_pages=args.tenant_max_kv_pages,
                         max_body_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens)

@@ -18,6 +18,10 @@ class Limits:
     max_queue: int = 1024  # waiting requests; past it a submission is refused (429)
     max_sessions: int = 4096  # live sessions; past it the longest idle is closed
     session_idle_timeout: float | None = None  # seconds; idle sessions past it are closed
+    # The longest pin a client may ask for (POST /v1/sessions/{id}/retain, and
+    # what one without seconds gets): a pin never outlives it, so no client's
+    # KV is held in the pool for good.
+    max_retain_s: float = 600.0
     max_stats: int = 10_000  # per-turn records kept in Engine.stats
 
     def __post_init__(self) -> None:
@@ -30,3 +34,5 @@ class Limits:
         timeout = self.session_idle_timeout
         if timeout is not None and not timeout > 0:
             raise ValueError(f"session_idle_timeout must be > 0 or None, got {timeout!r}")
+        if not (isinstance(self.max_retain_s, (int, float)) and 0 < self.max_retain_s < float("inf")):
+            raise ValueError(f"max_retain_s must be a finite number of seconds > 0, got {self.max_retain_s!r}")

@@ -64,3 +64,27 @@ def test_a_full_queue_is_429_with_retry_after_and_changes_nothing(small):
         engine.scheduler.start()
     queued.join(60)
     assert answers["queued"].status_code == 200
+
+
+def test_a_pin_is_always_finite_and_capped():
+    # Issue 42: `retain` with no seconds used to pin a session's KV until it
+    # was released, so one client could hold the pool for good.
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=64, limits=Limits(max_retain_s=0.5))
+    with TestClient(create_app(engine, MODEL)) as client:
+        assert client.post("/v1/chat/completions", json=chat_body("hi", session_id="s", max_tokens=2)).status_code == 200
+        before = client.get("/v1/sessions/s").json()
+        for body in ({"seconds": 0.51}, {"seconds": 1e9}):
+            r = client.post("/v1/sessions/s/retain", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "retain_too_long"
+            assert "0.5 seconds" in r.json()["error"]["message"]
+            assert client.get("/v1/sessions/s").json() == before  # changed nothing
+        for body in ({}, {"seconds": None}, {"seconds": 0.5}):
+            assert client.post("/v1/sessions/s/retain", json=body).json()["pinned"] is True
+            time.sleep(0.6)
+            assert client.get("/v1/sessions/s").json()["pinned"] is False  # the pin ran out
+
+
+def test_limits_refuse_an_unbounded_pin():
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_retain_s"):
+            Limits(max_retain_s=bad)

@@ -313,8 +313,9 @@ class TruncateRequest(RequestBody):
 
 class RetainRequest(RequestBody):
     # Seconds from now the session's KV stays in the pool (a client that
-    # knows how long its tool takes says so); null: until released.
-    seconds: Annotated[float, Field(ge=0, le=86400)] | None = None
+    # knows how long its tool takes says so), at most the server's
+    # max_retain_s; null: that maximum. A pin is always finite.
+    seconds: Annotated[float, Field(ge=0)] | None = None
 
 
 # Responses.

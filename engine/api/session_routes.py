@@ -1,6 +1,7 @@
 """The session endpoints: create, read, fork, truncate, delete, and the
 retention controls: retain (keep its KV in the pool for so many seconds, as
-a client that knows how long its tool takes says), release (let it give
+a client that knows how long its tool takes says; at most the server's
+max_retain_s, which is what a retain without seconds gets), release (let it give
 way now) and restore (bring its KV back from disk to host memory ahead of
 its next turn).
 
@@ -17,6 +18,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request
 
+from agentkv.engine.api.errors import APIError
 from agentkv.engine.api.schemas import (
     SESSION_ID_PATTERN, RetainRequest, SessionCreateRequest, SessionInfo, SessionList, TruncateRequest,
 )
@@ -74,8 +76,12 @@ def truncate_session(request: Request, session_id: SessionPath, body: TruncateRe
 @router.post("/{session_id}/retain")
 def retain_session(request: Request, session_id: SessionPath, body: RetainRequest) -> SessionInfo:
     sessions, tenant = _scope(request)
+    cap = sessions.max_retain_s
+    if body.seconds is not None and body.seconds > cap:
+        raise APIError(400, f"retain is capped at {cap:g} seconds on this server, got {body.seconds:g}",
+                       code="retain_too_long", param="seconds")
     with sessions.lease(tenant, session_id) as lease:
-        lease.session.retain(body.seconds)
+        lease.session.retain(cap if body.seconds is None else body.seconds)
     return sessions.info(tenant, session_id)
 
 

@@ -110,6 +110,11 @@ class SessionRegistry:
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._lock = threading.Lock()
 
+    @property
+    def max_retain_s(self) -> float:
+        """The longest pin a client may ask for (Limits.max_retain_s)."""
+        return self.engine.limits.max_retain_s
+
     def resume(self) -> set[str]:
         """Take up the sessions an earlier server saved (tokens held, KV
         restored on their next turn from what the disk tier verified).
