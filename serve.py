@@ -81,7 +81,8 @@ def serve(argv: list[str]) -> None:
     limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
                         help="waiting requests; past it a request gets 429 with Retry-After")
     limits.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
-                        help="live sessions; past it the longest idle one is closed")
+                        help="live sessions; past it the requester's longest idle one is closed, never another "
+                             "tenant's (429 when it has none)")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
     limits.add_argument("--max-retain-seconds", type=float, default=defaults.max_retain_s,

@@ -16,7 +16,7 @@ class Limits:
     # chunk waits for a step with room for all of it.
     prefill_chunk: int = 512
     max_queue: int = 1024  # waiting requests; past it a submission is refused (429)
-    max_sessions: int = 4096  # live sessions; past it the longest idle is closed
+    max_sessions: int = 4096  # live sessions; past it the owner's longest idle is closed (429 if none)
     session_idle_timeout: float | None = None  # seconds; idle sessions past it are closed
     # The longest pin a client may ask for (POST /v1/sessions/{id}/retain, and
     # what one without seconds gets): a pin never outlives it, so no client's

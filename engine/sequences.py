@@ -21,6 +21,12 @@ from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.sequence import Sequence
 
 
+def owner_of(namespace: str) -> str:
+    """Who a KV namespace belongs to: the part before its first ":" (a
+    tenant's namespaces are its name and name:cache_salt, engine.api.tenants)."""
+    return namespace.split(":", 1)[0]
+
+
 class Sequences:
     def __init__(self, pool: PagePool, policy: KVPolicy, max_sessions: int):
         self.pool, self.policy, self.max_sessions = pool, policy, max_sessions
@@ -37,12 +43,16 @@ class Sequences:
         self, namespace: str, pin_ttl: float | None, tokens: Iterable[int] = (), table: BlockTable | None = None,
         arrival: int | None = None, key: str | None = None,
     ) -> Sequence:
-        """A new sequence; at the session limit the longest-idle one is closed to make room."""
+        """A new sequence; at the session limit the longest-idle one of its
+        own owner (owner_of its namespace) is closed to make room, never
+        another's: TooManySessionsError, and nothing changes, if it has none."""
         with self.lock:
             if len(self.all) >= self.max_sessions:
-                idle = [s for s in self.all if not s.busy]
+                owner = owner_of(namespace)
+                idle = [s for s in self.all if not s.busy and owner_of(s.namespace) == owner]
                 if not idle:
-                    raise TooManySessionsError(f"all {len(self.all)} sessions are busy")
+                    raise TooManySessionsError(
+                        f"the server holds its limit of {len(self.all)} sessions and none of this owner's is idle")
                 self.close(min(idle, key=lambda s: s.idle_since))
             seq = Sequence(table if table is not None else BlockTable(self.pool), namespace,
                            next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens))
