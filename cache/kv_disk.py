@@ -11,6 +11,7 @@ files. A piece is verified against its CRC whenever it is read.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
+
+
+class DiskWriteError(OSError):
+    """Writing to the disk tier failed (a full or failing disk, a path in
+    the way): what was on disk before stays as it was."""
 
 
 class CorruptKV(Exception):
@@ -50,29 +56,39 @@ class KVDisk:
         return self.root / key
 
     def write_pieces(self, key: str, filename: str, pieces: list[dict[str, torch.Tensor]]) -> list[tuple[str, int]]:
-        """One new file holding these pieces; their (name, crc)."""
+        """One new file holding these pieces; their (name, crc). DiskWriteError if it cannot be written."""
         folder = self._folder(key)
-        folder.mkdir(parents=True, exist_ok=True)
         tensors, out = {}, []
         for i, parts in enumerate(pieces):
             out.append((f"p{i}", crc(parts)))
             tensors.update({f"p{i}.{k}": v.contiguous() for k, v in parts.items()})
-        save_file(tensors, str(folder / filename))
-        _fsync(folder / filename)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(folder / filename))
+            _fsync(folder / filename)
+        except Exception as err:  # OSError, or safetensors' own error type for the same faults
+            with contextlib.suppress(OSError):  # no half-written file left behind
+                (folder / filename).unlink(missing_ok=True)
+            raise DiskWriteError(f"cannot write {key}/{filename}: {err}") from err
         return out
 
     def write_manifest(self, key: str, manifest: dict) -> None:
-        """Replace the entry's manifest; files no piece names any more go."""
+        """Replace the entry's manifest; files no piece names any more go.
+        DiskWriteError if it cannot be written (the old manifest stays)."""
         folder = self._folder(key)
-        folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({**manifest, "identity": self.identity}))
-        _fsync(tmp)
-        os.replace(tmp, folder / MANIFEST)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({**manifest, "identity": self.identity}))
+            _fsync(tmp)
+            os.replace(tmp, folder / MANIFEST)
+        except OSError as err:
+            raise DiskWriteError(f"cannot write {key}/{MANIFEST}: {err}") from err
         live = {p["file"] for p in manifest["pieces"]}
         for f in folder.glob("*.safetensors"):
             if f.name not in live:
-                f.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # what stays is removed by a later write
+                    f.unlink(missing_ok=True)
 
     def read_piece(self, key: str, filename: str, name: str, expected_crc: int | None) -> dict[str, torch.Tensor]:
         path = self._folder(key) / filename

@@ -40,7 +40,7 @@ from agentkv.kernels import dispatch
 from agentkv.cache import kv_codec
 from agentkv.cache.block_table import BlockTable
 from agentkv.cache.errors import PageAccountingError
-from agentkv.cache.kv_disk import CorruptKV, KVDisk
+from agentkv.cache.kv_disk import CorruptKV, DiskWriteError, KVDisk
 from agentkv.cache.pool import PagePool
 from agentkv.cache.tokens import common_prefix_len
 
@@ -61,6 +61,7 @@ class TierCounters:
     dropped: int = 0  # entries given up for room
     refused: int = 0  # offloads that did not fit
     corrupt: int = 0  # entries whose files failed verification
+    disk_errors: int = 0  # writes to the disk tier that failed (the entry kept what was on disk before)
 
 
 @dataclass(eq=False)
@@ -304,9 +305,22 @@ class KVTier:
             if self.disk is not None and (all(p.file is not None for p in e.pieces) or self._write(e)):
                 for p in e.pieces:
                     self._evict_from_host(p)
+            elif e.persistent:
+                self._keep_what_is_on_disk(e)  # its saved state is never given up for room
             else:
                 self._drop(e)
         return True
+
+    def _keep_what_is_on_disk(self, e: _Entry) -> None:
+        """Cut the entry to its leading pieces on disk (what its manifest
+        there names), none of them in host memory."""
+        keep = next((i for i, p in enumerate(e.pieces) if p.file is None), len(e.pieces))
+        for p in e.pieces[keep:]:
+            self._forget_piece(p)
+        del e.pieces[keep:]
+        e.tokens = e.tokens[:sum(p.n for p in e.pieces)]
+        for p in e.pieces:
+            self._evict_from_host(p)
 
     def _evict_from_host(self, p: _Piece) -> None:
         if p.parts is not None and p.file is not None:
@@ -361,17 +375,26 @@ class KVTier:
             if not victims:
                 return False
             self._drop(min(victims, key=lambda x: x.used))
-        if todo:
-            filename = f"{e.files:06d}.safetensors"
-            e.files += 1
-            for p, (name, crc) in zip(todo, self.disk.write_pieces(e.key, filename, [self._load(e, p) for p in todo])):
-                p.file, p.name, p.crc = filename, name, crc
-            self.disk_used += need
-            self.counters.spilled_bytes += need
-        self.disk.write_manifest(e.key, {
-            "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens, "files": e.files,
-            "pieces": [{"n": p.n, "nbytes": p.nbytes, "file": p.file, "name": p.name, "crc": p.crc} for p in e.pieces],
-        })
+        try:
+            if todo:
+                filename = f"{e.files:06d}.safetensors"
+                e.files += 1
+                written = self.disk.write_pieces(e.key, filename, [self._load(e, p) for p in todo])
+                for p, (name, crc) in zip(todo, written):
+                    p.file, p.name, p.crc = filename, name, crc
+                self.disk_used += need
+                self.counters.spilled_bytes += need
+            self.disk.write_manifest(e.key, {
+                "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens, "files": e.files,
+                "pieces": [{"n": p.n, "nbytes": p.nbytes, "file": p.file, "name": p.name, "crc": p.crc}
+                           for p in e.pieces],
+            })
+        except DiskWriteError as err:
+            # A failing disk fails no request: the entry stays as it was in host
+            # memory (or gives way, and its session recomputes), and it is said.
+            self.counters.disk_errors += 1
+            self._report(f"session KV {e.key}: {err}", corrupt=False)
+            return False
         return True
 
     def persist(self, key: str) -> bool:
@@ -383,9 +406,11 @@ class KVTier:
             if e.persistent:
                 return True  # its offloads already write through
             e.persistent = True
+            errors = self.counters.disk_errors
             if not self._write(e):
                 e.persistent = False
-                self._report(f"session KV {key}: the disk tier is full; it is not persisted", corrupt=False)
+                if self.counters.disk_errors == errors:  # else the error was reported
+                    self._report(f"session KV {key}: the disk tier is full; it is not persisted", corrupt=False)
                 return False
             return True
 

@@ -154,6 +154,32 @@ def test_corrupt_spill_file_is_reported_and_recomputed(reference, tmp_path):
     assert engine.tier.counters.restored_tokens == 0
 
 
+def test_a_failing_disk_fails_no_request_and_loses_no_saved_state(reference, tmp_path):
+    # Issue 42: a disk error inside a spill raised out of the scheduler's
+    # step (safetensors' own error type), and persist() left the entry
+    # marked persistent. A regular file where a session's folder goes makes
+    # every write under it fail, as a failing disk would.
+    one_session = 60 * reference.pool.token_bytes
+    engine = tiered(reference, kv_offload_bytes=one_session, kv_offload_dir=tmp_path)
+    a_prompt, b_prompt = ids(60, 21), ids(60, 22)
+    with engine.session() as a, engine.session() as b:
+        a.append(a_prompt)
+        (tmp_path / a.key).write_text("in the way")
+        assert a.save() is False  # persisting fails, and says so
+        assert a.key not in engine.tier.persistent_keys()
+        a.park()
+        b.append(b_prompt)
+        b.park()  # a cannot spill: it gives way, nothing raises
+        assert engine.tier.counters.disk_errors == 2
+        assert sum("cannot write" in r for r in engine.tier.reports) == 2
+        engine.scheduler.make_room(engine.pool.num_pages)
+        got = a.generate(max_tokens=8, ignore_eos=True)  # recomputed
+    with reference.session() as r:
+        r.append(a_prompt)
+        assert got == r.generate(max_tokens=8, ignore_eos=True)
+    engine.tier.check()
+
+
 def test_full_store_refuses_cleanly(reference):
     engine = tiered(reference, kv_offload_bytes=10 * reference.pool.token_bytes)
     prompt, more = ids(40, 14), ids(4, 15)

@@ -128,6 +128,7 @@ class Metrics:
             ("agentkv_kv_tier_refused_total", c.refused, "Offloads the second tier had no room for."),
             ("agentkv_kv_tier_dropped_total", c.dropped, "Second-tier entries given up for room."),
             ("agentkv_kv_tier_corrupt_total", c.corrupt, "Second-tier entries that failed verification."),
+            ("agentkv_kv_tier_disk_errors_total", c.disk_errors, "Writes to the disk tier that failed."),
         ):
             out += _labelled(name, "counter", help_text, "", value)
         out += _gauge("agentkv_kv_tier_host_bytes", "Bytes of KV held in host memory.", e.tier_host_bytes)
