@@ -472,6 +472,36 @@ def test_metrics(server):
     assert grew("agentkv_step_batch_size_count") >= 1 and after["agentkv_step_seconds_total"] >= after["agentkv_forward_seconds_total"]
 
 
+def test_a_stream_dropped_before_its_first_token_is_cancelled(server):
+    # Issue 42: the handler waited for a stream's first token without
+    # watching its client, so a dropped stream queued and prefilled for nobody.
+    sched = server.engine.scheduler
+    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": "gone-early", "ignore_eos": True,
+            "stream": True}
+    cancelled = sched.counters.cancelled
+    gate, step = threading.Event(), server.engine.runner.step
+    server.engine.runner.step = lambda items: gate.wait(30) and step(items)  # no token comes out
+    try:
+        with server.http() as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/chat/completions", json=body, timeout=1.0)  # no head yet: the client gives up
+        (req,) = sched.running + sched.waiting
+        for _ in range(500):
+            if req.cancelled:
+                break
+            time.sleep(0.01)
+        assert req.cancelled
+    finally:
+        gate.set()
+        server.engine.runner.step = step
+    server.wait_idle()
+    assert sched.counters.cancelled == cancelled + 1
+    info = server.session_info("gone-early")
+    assert not info["busy"] and info["length"] == 0 and info["turns"] == []
+    with server.http() as http:
+        assert http.delete("/v1/sessions/gone-early").status_code == 200
+
+
 def test_disconnect_without_streaming_cancels(server):
     sched = server.engine.scheduler
     body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": "gone", "ignore_eos": True}

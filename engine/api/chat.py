@@ -124,7 +124,7 @@ async def chat_completions(
     meta = ChunkMeta(body.model)
     if not body.stream:
         return _completion(meta, text, await gen.result_unless_gone(request))
-    await gen.started()
+    await gen.started(request)
     return event_stream(_events(gen, text, meta, body.include_usage()), gen.abandon)
 
 

@@ -43,7 +43,7 @@ async def completions(body: CompletionRequest, request: Request):
         text.push(out.token_ids)
         _, reply = text.finish(out)
         return completion(CompletionChoice(text=reply.content, finish_reason=reply.finish_reason), usage_of(out))
-    await gen.started()
+    await gen.started(request)
 
     async def events() -> AsyncIterator[str]:
         async for ids in gen.tokens():

@@ -76,11 +76,20 @@ class Generation(Generic[T]):
         if self._pending is not None:
             self._pending.cancel()
 
-    async def started(self) -> None:
+    async def started(self, request: HTTPRequest) -> None:
         """Wait for the first tokens or the end; raise the request's error if
         it failed before producing any token (so the handler can still answer
-        with an HTTP error status instead of a stream)."""
-        first = await self._tokens.get()
+        with an HTTP error status instead of a stream). A client that goes
+        away meanwhile (queued, or in a long prefill) cancels the request."""
+        while True:
+            try:
+                first = await asyncio.wait_for(self._tokens.get(), DISCONNECT_POLL_S)
+                break
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel()
+                    first = await self._tokens.get()  # the end, within a step
+                    break
         self._stash.append(first)
         if first is None:
             await self.result()

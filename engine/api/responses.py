@@ -94,7 +94,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     gen = await Generation.begin(lambda on_tokens, on_done: ResponseTurn.begin(api, store, turn, on_tokens, on_done))
     if not body.stream:
         return (await gen.result_unless_gone(request)).response
-    await gen.started()
+    await gen.started(request)
     return event_stream(_events(gen, text, turn.shell, turn.message_id), gen.abandon)
 
 
