@@ -472,39 +472,12 @@ def test_metrics(server):
     assert grew("agentkv_step_batch_size_count") >= 1 and after["agentkv_step_seconds_total"] >= after["agentkv_forward_seconds_total"]
 
 
-def test_a_stream_dropped_before_its_first_token_is_cancelled(server):
-    # Issue 42: the handler waited for a stream's first token without
-    # watching its client, so a dropped stream queued and prefilled for nobody.
+def dropped_before_any_token_is_cancelled(server, session_id: str, stream: bool) -> None:
+    """A request whose client gives up before any token (each step held, no
+    response head sent) is cancelled, and its session is as before."""
     sched = server.engine.scheduler
-    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": "gone-early", "ignore_eos": True,
-            "stream": True}
-    cancelled = sched.counters.cancelled
-    gate, step = threading.Event(), server.engine.runner.step
-    server.engine.runner.step = lambda items: gate.wait(30) and step(items)  # no token comes out
-    try:
-        with server.http() as http:
-            with pytest.raises(httpx.ReadTimeout):
-                http.post("/v1/chat/completions", json=body, timeout=1.0)  # no head yet: the client gives up
-        (req,) = sched.running + sched.waiting
-        for _ in range(500):
-            if req.cancelled:
-                break
-            time.sleep(0.01)
-        assert req.cancelled
-    finally:
-        gate.set()
-        server.engine.runner.step = step
-    server.wait_idle()
-    assert sched.counters.cancelled == cancelled + 1
-    info = server.session_info("gone-early")
-    assert not info["busy"] and info["length"] == 0 and info["turns"] == []
-    with server.http() as http:
-        assert http.delete("/v1/sessions/gone-early").status_code == 200
-
-
-def test_disconnect_without_streaming_cancels(server):
-    sched = server.engine.scheduler
-    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": "gone", "ignore_eos": True}
+    body = {"model": MODEL, "messages": USER, "max_tokens": 300, "session_id": session_id, "ignore_eos": True,
+            "stream": stream}
     cancelled = sched.counters.cancelled
     gate, step = threading.Event(), server.engine.runner.step
     server.engine.runner.step = lambda items: gate.wait(30) and step(items)
@@ -519,12 +492,23 @@ def test_disconnect_without_streaming_cancels(server):
             if req.cancelled:
                 break
             time.sleep(0.01)
+        assert req.cancelled
     finally:
         gate.set()
         server.engine.runner.step = step
     server.wait_idle()
     assert sched.counters.cancelled == cancelled + 1
-    info = server.session_info("gone")
+    info = server.session_info(session_id)
     assert not info["busy"] and info["length"] == 0 and info["turns"] == []
     with server.http() as http:
-        assert http.delete("/v1/sessions/gone").status_code == 200
+        assert http.delete(f"/v1/sessions/{session_id}").status_code == 200
+
+
+def test_a_stream_dropped_before_its_first_token_is_cancelled(server):
+    # Issue 42: the handler waited for a stream's first token without
+    # watching its client, so a dropped stream queued and prefilled for nobody.
+    dropped_before_any_token_is_cancelled(server, "gone-early", stream=True)
+
+
+def test_disconnect_without_streaming_cancels(server):
+    dropped_before_any_token_is_cancelled(server, "gone", stream=False)
