@@ -27,7 +27,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequence import Sequence, owner_of
 
 MODES = ("tool", "lru")
 
@@ -57,8 +57,10 @@ class RetentionConfig:
 class Retention:
     def __init__(self, config: RetentionConfig | None = None):
         self.config = config or RetentionConfig()
-        self._pause_s: dict[str, float] = {}  # tool name -> moving estimate of its pause
-        self._observed: dict[str, int] = {}
+        # (owner, tool name) -> moving estimate of its pause: each tenant's
+        # tools are its own, so no tenant's pauses set another's pins.
+        self._pause_s: dict[tuple[str, str], float] = {}
+        self._observed: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -69,11 +71,11 @@ class Retention:
         c = self.config
         return min(max(seconds, c.tool_ttl_floor), c.tool_ttl_cap)
 
-    def tool_ttl(self, tools: tuple[str, ...]) -> float:
-        """The pin for a session awaiting these tools (run together: the longest)."""
+    def tool_ttl(self, owner: str, tools: tuple[str, ...]) -> float:
+        """The pin for owner's session awaiting these tools (run together: the longest)."""
         c = self.config
         with self._lock:
-            pauses = [self._pause_s.get(t, c.tool_ttl_default) for t in tools]
+            pauses = [self._pause_s.get((owner, t), c.tool_ttl_default) for t in tools]
         return self._clamp(max(pauses, default=c.tool_ttl_default) * c.margin)
 
     def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
@@ -86,7 +88,7 @@ class Retention:
         elif expected_s is not None:
             seq.pin_ttl = self._clamp(expected_s * self.config.margin)
         else:
-            seq.pin_ttl = self.tool_ttl(seq.awaiting)
+            seq.pin_ttl = self.tool_ttl(owner_of(seq.namespace), seq.awaiting)
 
     def resumed(self, seq: Sequence, now: float) -> None:
         """seq's next request arrived: the pause is an observation of its tools."""
@@ -95,11 +97,12 @@ class Retention:
             return
         pause = min(now - seq.idle_since, self.config.tool_ttl_cap)
         a = self.config.smoothing
+        owner = owner_of(seq.namespace)
         with self._lock:
             for t in tools:
-                old = self._pause_s.get(t)
-                self._pause_s[t] = pause if old is None else (1 - a) * old + a * pause
-                self._observed[t] = self._observed.get(t, 0) + 1
+                old = self._pause_s.get((owner, t))
+                self._pause_s[owner, t] = pause if old is None else (1 - a) * old + a * pause
+                self._observed[owner, t] = self._observed.get((owner, t), 0) + 1
 
     def eviction_key(self, seq: Sequence) -> tuple:
         """Sort key of offloadable sessions: the first gives way first."""
@@ -116,9 +119,9 @@ class Retention:
         pause = seq.pin_ttl / self.config.margin if seq.awaiting and self.config.margin > 0 else seq.pin_ttl
         return seq.idle_since + pause
 
-    def estimates(self) -> dict[str, dict]:
-        """Per tool: the pause estimate (seconds), the pin it gives, observations."""
+    def estimates(self, owner: str = "default") -> dict[str, dict]:
+        """Per tool of owner's: the pause estimate (seconds), the pin it gives, observations."""
         with self._lock:
-            items = list(self._pause_s.items())
-            observed = dict(self._observed)
-        return {t: {"pause_s": p, "pin_s": self.tool_ttl((t,)), "observed": observed[t]} for t, p in items}
+            items = [(t, p) for (o, t), p in self._pause_s.items() if o == owner]
+            observed = {t: n for (o, t), n in self._observed.items() if o == owner}
+        return {t: {"pause_s": p, "pin_s": self.tool_ttl(owner, (t,)), "observed": observed[t]} for t, p in items}

@@ -19,6 +19,12 @@ from agentkv.engine.stats import TurnStats
 from agentkv.spec.drafter import Drafter
 
 
+
+def owner_of(namespace: str) -> str:
+    """Who a KV namespace belongs to: the part before its first ":" (a
+    tenant's namespaces are its name and name:cache_salt, engine.api.tenants)."""
+    return namespace.split(":", 1)[0]
+
 @dataclass(eq=False)
 class Sequence:
     table: BlockTable

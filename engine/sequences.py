@@ -18,13 +18,7 @@ from agentkv.cache.block_table import BlockTable
 from agentkv.cache.pool import PagePool
 from agentkv.engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
 from agentkv.engine.kv_policy import KVPolicy
-from agentkv.engine.sequence import Sequence
-
-
-def owner_of(namespace: str) -> str:
-    """Who a KV namespace belongs to: the part before its first ":" (a
-    tenant's namespaces are its name and name:cache_salt, engine.api.tenants)."""
-    return namespace.split(":", 1)[0]
+from agentkv.engine.sequence import Sequence, owner_of
 
 
 class Sequences:

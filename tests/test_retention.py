@@ -17,8 +17,9 @@ from tests.test_kv_tier import PS, ckpt, ids, reference  # noqa: F401 (fixtures)
 class _Seq:
     """What the policy reads of a sequence."""
 
-    def __init__(self):
+    def __init__(self, namespace: str = "default"):
         self.awaiting, self.pin_ttl, self.idle_since = None, None, time.monotonic()
+        self.namespace = namespace
 
 
 def test_pin_follows_the_observed_pause_of_each_tool():
@@ -47,6 +48,22 @@ def test_pin_follows_the_observed_pause_of_each_tool():
     assert seq.pin_ttl == 1.0
     r.end_turn(seq, [])  # a final answer
     assert seq.awaiting is None and seq.pin_ttl == 0.0
+
+
+def test_each_tenant_learns_its_own_tools_pauses():
+    # Issue 42: estimates were global, so one tenant's slow (or fake) "search"
+    # set every tenant's pins for its own "search".
+    r = Retention(RetentionConfig(tool_ttl_default=10.0, tool_ttl_floor=1.0, tool_ttl_cap=60.0, margin=1.0,
+                                  smoothing=1.0))
+    hostile, other, salted = _Seq("mallory"), _Seq("alice"), _Seq("mallory:salt")
+    r.end_turn(hostile, ["search"])
+    hostile.idle_since = time.monotonic() - 50.0
+    r.resumed(hostile, time.monotonic())
+    r.end_turn(other, ["search"])
+    assert other.pin_ttl == 10.0  # the default: mallory's pauses are not alice's
+    r.end_turn(salted, ["search"])
+    assert salted.pin_ttl == pytest.approx(50.0, abs=0.1)  # a cache salt is the same tenant
+    assert r.estimates("alice") == {} and set(r.estimates("mallory")) == {"search"}
 
 
 def test_lru_mode_pins_nothing_and_learns_nothing():

@@ -36,7 +36,7 @@ class Tenant:
         """The KV namespace of this tenant's requests: nothing is matched
         across namespaces, so neither across tenants nor across salts.
         Tenant names have no ":", so no tenant's namespace is another's, and
-        the engine's owner_of (engine.sequences) names the tenant."""
+        the engine's owner_of (engine.sequence) names the tenant."""
         return self.name if cache_salt is None else f"{self.name}:{cache_salt}"
 
 
