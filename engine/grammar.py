@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,33 +72,57 @@ def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list
 
 class GrammarCache:
     """Compiles structural tags for one tokenizer and keeps the most recent
-    ones: an agent loop that re-sends the same tools compiles them once."""
+    ones, per owner (a tenant): an agent loop that re-sends the same tools
+    compiles them once. Owners share nothing: no tenant's schemas evict
+    another's grammars or show in its timing, and a compile runs outside the
+    cache's lock, so a slow schema holds up only the requests that wait for
+    that very grammar."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list[int], capacity: int = 64):
         self.vocab_size, self.capacity = vocab_size, capacity
         self._compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, list(stop_token_ids)), cache_enabled=False)
-        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self._grammars: dict[str, OrderedDict[str, Grammar]] = {}  # owner -> its most recent, capacity at most
+        self._compiling: dict[tuple[str, str], Future] = {}  # what a request is compiling now, for the others
         self._lock = threading.Lock()  # requests' handler threads share the cache
         self.compiles = 0
 
-    def get(self, structural_tag: dict) -> Grammar:
+    def get(self, structural_tag: dict, owner: str = "default") -> Grammar:
         """The compiled grammar of an xgrammar structural tag
-        ({"type": "structural_tag", "format": {...}}); GrammarError if it does not compile."""
+        ({"type": "structural_tag", "format": {...}}) for owner; GrammarError if it does not compile."""
         # Not sorted: the order of a schema's properties is the order the grammar writes them in.
         key = json.dumps(structural_tag, separators=(",", ":"))
         with self._lock:
-            if key in self._grammars:
-                self._grammars.move_to_end(key)
-                return self._grammars[key]
-            try:
-                compiled = self._compiler.compile_structural_tag(key)
-            except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports a bad schema as RuntimeError
-                raise GrammarError(f"cannot build a grammar for this request: {_first_line(e)}") from None
+            mine = self._grammars.setdefault(owner, OrderedDict())
+            if key in mine:
+                mine.move_to_end(key)
+                return mine[key]
+            pending = self._compiling.get((owner, key))
+            compiling = pending is None
+            if compiling:
+                pending = self._compiling[owner, key] = Future()
+        if not compiling:
+            return pending.result()  # another request of this owner compiles it: its grammar, or its GrammarError
+        try:
+            grammar = Grammar(self._compile(key), self.vocab_size)
+        except GrammarError as e:
+            pending.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._compiling[owner, key]
+        with self._lock:
             self.compiles += 1
-            grammar = self._grammars[key] = Grammar(compiled, self.vocab_size)
-            if len(self._grammars) > self.capacity:
-                self._grammars.popitem(last=False)
-            return grammar
+            mine[key] = grammar
+            if len(mine) > self.capacity:
+                mine.popitem(last=False)
+        pending.set_result(grammar)
+        return grammar
+
+    def _compile(self, key: str) -> "xgr.CompiledGrammar":
+        try:
+            return self._compiler.compile_structural_tag(key)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports a bad schema as RuntimeError
+            raise GrammarError(f"cannot build a grammar for this request: {_first_line(e)}") from None
 
 
 def _first_line(e: Exception) -> str:

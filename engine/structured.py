@@ -127,17 +127,19 @@ def request_grammar(
     tool_choice: Any = None,
     response_format: Any = None,
     parallel_tool_calls: bool = True,
+    owner: str = "default",
 ) -> Grammar | None:
     """The compiled grammar (cached per engine) that constrains a reply to
     these OpenAI-style options, or None when nothing constrains it. Pass the
     result to Session.generate(grammar=...). GrammarError (a 400) on bad
     options or schemas; nothing is changed then. With engine.constrain_auto
-    off, tool_choice "auto" (or none given) constrains nothing."""
+    off, tool_choice "auto" (or none given) constrains nothing. owner: whose
+    cache it is compiled in (a tenant: engine.sequence.owner_of its namespace)."""
     tag = structural_tag(tools, tool_choice, response_format, engine.tokenizer.tool_call_format,
                          parallel_tool_calls)
     if tag is None or (not engine.constrain_auto and tool_choice in (None, "auto") and response_format is None):
         return None
-    grammar = engine.grammars.get(tag)
+    grammar = engine.grammars.get(tag, owner)
     if tools and not grammar.phrases:  # once per compiled grammar: it is cached with it
         grammar.phrases = schema_phrases(tools, engine.tokenizer.encode)
     return grammar

@@ -46,6 +46,7 @@ from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.errors import ContextLengthError, InvalidRequestError
 from agentkv.engine.message_log import MessageLog, digest, tools_digest
 from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.sequence import owner_of
 from agentkv.engine.stats import TurnStats
 from agentkv.engine.stops import cut_at_stop
 from agentkv.engine.structured import GrammarSource, request_grammar
@@ -158,7 +159,8 @@ class Turn:
         native = session is not None and host.continuation == "native" and not host.stateless
         work = session if owned else session.fork_for_turn() if session is not None else host.session(namespace)
         try:
-            grammar = request_grammar(host, tools, tool_choice, response_format, parallel_tool_calls)
+            grammar = request_grammar(host, tools, tool_choice, response_format, parallel_tool_calls,
+                                      owner_of(work.namespace))
             if chat:
                 planned = _plan_chat(host, work, prompt.messages, tools, native, truncate_to)
             else:

@@ -3,13 +3,14 @@ tokenizer and shape with random weights (which write nonsense unconstrained):
 every constrained reply parses and validates, speculation changes nothing,
 and bad options change nothing."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
 import torch
 
 from agentkv import Engine, InvalidRequestError
-from agentkv.engine.grammar import GrammarError, GrammarState
+from agentkv.engine.grammar import GrammarCache, GrammarError, GrammarState
 from agentkv.engine.structured import request_grammar
 from agentkv.model.default import random_init
 from agentkv.model.tool_calls import parse_tool_calls
@@ -122,6 +123,29 @@ def test_a_35_turn_loop_compiles_its_tools_once(engine):
     # Each turn sends its tools afresh: equal, never the same objects.
     grammars = {id(request_grammar(engine, json.loads(json.dumps(tools)), "required")) for _ in range(35)}
     assert len(grammars) == 1 and engine.grammars.compiles == before + 1
+
+
+def test_tenants_share_no_compiled_grammar_and_one_compile_serves_concurrent_requests(engine):
+    # Issue 42: one cache for all tenants, compiled under its lock: a tenant
+    # cycling schemas evicted the others' grammars, and its slow compiles
+    # held up every tenant's requests.
+    cache = GrammarCache(engine.tokenizer, engine.model.cfg.vocab_size, engine.eos_token_ids, capacity=2)
+    tags = [{"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
+        "type": "object", "properties": {f"k{i}": {"type": "integer"}}}}} for i in range(4)]
+    mine = cache.get(tags[0], "alice")
+    for tag in tags[1:]:
+        cache.get(tag, "mallory")  # mallory fills its own cache, twice over
+    compiles = cache.compiles
+    assert cache.get(tags[0], "alice") is mine and cache.compiles == compiles  # alice's is still there
+    assert cache.get(tags[0], "mallory") is not mine and cache.compiles == compiles + 1
+    # Requests that want one grammar at once: a single compile, the same grammar for all.
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: cache.get(tags[3], "bob"), range(8)))
+    assert len({id(g) for g in got}) == 1 and cache.compiles == compiles + 2
+    bad = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"type": "no-such-type"}}}
+    for _ in range(2):  # a failed compile leaves nothing behind: the next asks again and fails the same
+        with pytest.raises(GrammarError):
+            cache.get(bad, "bob")
 
 
 def prompt_with_calls(engine) -> list[int]:
