@@ -24,6 +24,7 @@ from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.retention import Retention, RetentionConfig
 from agentkv.engine.runner import ModelRunner
 from agentkv.engine.scheduler import Scheduler
+from agentkv.engine.sequence import owner_of
 from agentkv.engine.sequences import Sequences
 from agentkv.engine.session import Session, SessionContext
 from agentkv.engine.request import Request
@@ -146,7 +147,7 @@ class Engine:
         # schema_drafts: inside a call, the tool's schema names are drafts too
         # (off by default: on the agent model they measured no gain, docs/bench_spec.md).
         try:
-            self.drafters = Drafters(drafter, forced_drafts, schema_drafts)
+            self.drafters = Drafters(drafter, forced_drafts, schema_drafts, owner=owner_of)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         # Programs (a session's turns) are admitted whole while their KV fits

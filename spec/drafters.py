@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from agentkv.spec.drafter import Drafter
 from agentkv.spec.ngram import NGramDrafter
 from agentkv.spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
@@ -21,11 +23,13 @@ class Drafters:
     forced is off only to measure what it is worth."""
 
     def __init__(self, kind: str = "suffix", forced: bool = True, schema: bool = False,
-                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16, max_session_nodes: int = MAX_SESSION_NODES):
+                 max_output_tokens: int = 1 << 15, max_namespaces: int = 16, max_session_nodes: int = MAX_SESSION_NODES,
+                 owner: Callable[[str], str] = lambda namespace: ""):
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
         self.kind, self.forced, self.schema = kind, forced, schema
-        self.outputs = OutputTrees(max_output_tokens, max_namespaces) if kind == "suffix" else None
+        # owner: whose namespace it is (the engine's tenants): max_namespaces is per owner.
+        self.outputs = OutputTrees(max_output_tokens, max_namespaces, owner=owner) if kind == "suffix" else None
         # One bound over every session's tree, whatever the number of sessions.
         self.session_nodes = NodeBudget(max_session_nodes) if kind == "suffix" else None
 

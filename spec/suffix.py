@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict
+from typing import Callable
 
 from agentkv.spec.drafter import Drafter
 from agentkv.spec.suffix_tree import Draft, SuffixTree
@@ -121,22 +122,28 @@ class OutputTree:
 
 
 class OutputTrees:
-    """One OutputTree per namespace, for at most max_namespaces of them (the
-    least recently used goes first)."""
+    """One OutputTree per namespace, for at most max_namespaces of each
+    owner's (owner(namespace): a tenant, whose cache salts are namespaces of
+    its own; by default one owner for all); past that the owner's least
+    recently used goes, never another owner's, so no tenant cycling salts
+    erases another's history."""
 
-    def __init__(self, max_tokens: int = 1 << 15, max_namespaces: int = 16, max_depth: int = MAX_DEPTH):
+    def __init__(self, max_tokens: int = 1 << 15, max_namespaces: int = 16, max_depth: int = MAX_DEPTH,
+                 owner: Callable[[str], str] = lambda namespace: ""):
         if max_namespaces < 1:
             raise ValueError(f"max_namespaces must be >= 1, got {max_namespaces}")
         self.max_tokens, self.max_namespaces, self.max_depth = max_tokens, max_namespaces, max_depth
-        self._trees: OrderedDict[str, OutputTree] = OrderedDict()
+        self.owner = owner
+        self._trees: dict[str, OrderedDict[str, OutputTree]] = {}  # owner -> its namespaces' trees, LRU first
 
     def get(self, namespace: str) -> OutputTree:
-        tree = self._trees.get(namespace)
+        trees = self._trees.setdefault(self.owner(namespace), OrderedDict())
+        tree = trees.get(namespace)
         if tree is None:
-            tree = self._trees[namespace] = OutputTree(self.max_depth, self.max_tokens)
-            if len(self._trees) > self.max_namespaces:
-                self._trees.popitem(last=False)
-        self._trees.move_to_end(namespace)
+            tree = trees[namespace] = OutputTree(self.max_depth, self.max_tokens)
+            if len(trees) > self.max_namespaces:
+                trees.popitem(last=False)
+        trees.move_to_end(namespace)
         return tree
 
 

@@ -214,6 +214,17 @@ def test_output_trees_are_per_namespace_and_bounded():
     assert trees.get("a").tree.num_tokens == 0  # "a" was the least recently used: gone
 
 
+def test_a_tenant_cycling_cache_salts_evicts_only_its_own_output_history():
+    # Issue 42: at most max_namespaces trees in all, so a tenant cycling
+    # cache_salt (a namespace each) erased every other tenant's history.
+    trees = OutputTrees(max_tokens=100, max_namespaces=2, owner=lambda ns: ns.split(":", 1)[0])
+    trees.get("alice").add([1, 2, 3])
+    for salt in range(5):
+        trees.get(f"mallory:{salt}").add([4, 5])
+    assert trees.get("alice").tree.num_tokens == 3
+    assert trees.get("mallory:4").tree.num_tokens == 2 and trees.get("mallory:0").tree.num_tokens == 0
+
+
 def test_session_history_and_outputs_never_mix_namespaces():
     drafters = Drafters("suffix")
     drafters.finished("tenant-a", [7, 8, 9, 10, 11, 12])
