@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from agentkv.cache.tokens import common_prefix_len
 from agentkv.experiments.workloads.agent_runs import AgentRecord, Client, OnTurn, Pauses, TurnRecord, reply_text
-from agentkv.experiments.workloads.bfcl import Reply, execute_multi_turn_func_call, load_items, openai_tools, \
-    run_multi_turn, tool_classes
+from agentkv.experiments.workloads.bfcl import (Reply, execute_multi_turn_func_call, load_items, openai_tools,
+                                                run_multi_turn, tool_classes)
 
 # Single-class roles with the shortest function docs (about 4.1k and 4.3k tokens on SmolLM2's tokenizer).
 DEFAULT_ROLES = ("GorillaFileSystem", "TradingBot")
