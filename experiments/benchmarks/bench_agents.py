@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import statistics
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -61,9 +60,9 @@ from agentkv.experiments.drivers.servers import ServerProcess, start_engine_serv
 from agentkv.experiments.drivers.system import ROOT, rel
 from agentkv.experiments.drivers.vllm import start_vllm_server, vllm_status
 from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
-from agentkv.experiments.workloads import agent_runs
-from agentkv.experiments.workloads.agent_runs import (Client, Pauses, Reply, openai_reply, records_json, run_agent,
-                                                      run_all, summarize)
+from agentkv.experiments.workloads.agent_runs import (Client, Pauses, Reply, openai_reply, records_json, run_all,
+                                                      summarize)
+from agentkv.experiments.workloads.agent_workload import KINDS, AgentWorkload
 from agentkv.model.config import ModelConfig
 from agentkv.model.export import export_hf
 from agentkv.model.tokenizer import Tokenizer
@@ -202,34 +201,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float 
     return {k: (after[m] - before.get(m, 0.0)) if m in after else None for k, m in COUNTERS.items()}
 
 
-class Workload:
-    """One agent count's agents: their names, KV budget per fraction, and jobs for a client."""
-
-    def __init__(self, args: argparse.Namespace, n_agents: int, tokenizer: Tokenizer):
-        self.args, self.tokenizer = args, tokenizer
-        pauses = Pauses(args.seed, args.pause_scale)
-        if args.workload == "bfcl":
-            from agentkv.experiments.workloads import bfcl_agents  # bfcl-eval is installed apart (README)
-
-            self._bfcl = bfcl_agents
-            self.agents = bfcl_agents.pick_agents(n_agents, args.turns_per_agent, args.seed)
-            self.names = [a.agent for a in self.agents]
-            self.jobs = lambda client, on: {a.agent: partial(bfcl_agents.run_bfcl_agent, a, client, args.max_tokens,
-                                                             args.max_steps, pauses, on) for a in self.agents}
-        else:
-            self.wf = agent_runs.plan(args.seed, n_agents, args.turns_per_agent)
-            self.names = [c.agent for c in self.wf.conversations]
-            self.jobs = lambda client, on: {c.agent: partial(run_agent, c, client, args.max_tokens, pauses, on)
-                                            for c in self.wf.conversations}
-
-    def budget(self, fraction: float) -> dict:
-        """ValueError where the budget cannot hold the longest request."""
-        if self.args.workload == "bfcl":
-            return self._bfcl.kv_budget(self.tokenizer, self.agents, self.args.max_tokens, fraction, BLOCK)
-        return agent_runs.kv_budget(self.tokenizer, self.wf, self.args.max_tokens, fraction, BLOCK)
-
-
-def run_system(system: str, n_agents: int, work: Workload, args: argparse.Namespace, budget: dict,
+def run_system(system: str, n_agents: int, work: AgentWorkload, args: argparse.Namespace, budget: dict,
                out: Path) -> dict:
     log = out / f"{system}-{n_agents}.log"
     server = start_vllm(args, budget, log) if system == "vllm-apc" else start_agentkv(system, args, budget, log)
@@ -257,11 +229,12 @@ def run_system(system: str, n_agents: int, work: Workload, args: argparse.Namesp
     return row
 
 
-def budget_for(work: Workload, args: argparse.Namespace, cfg: ModelConfig, fraction: float) -> dict | None:
+def budget_for(work: AgentWorkload, tokenizer: Tokenizer, args: argparse.Namespace, cfg: ModelConfig,
+               fraction: float) -> dict | None:
     """The cell's KV budget; None (said) where it cannot hold the longest request."""
     token_bytes = kv_bytes_per_token(cfg, args.dtype)
     try:
-        budget = work.budget(fraction)
+        budget = work.budget(tokenizer, fraction, BLOCK)
     except ValueError as e:
         print(f"skipped: {e}")
         return None
@@ -378,9 +351,10 @@ def run(args: argparse.Namespace) -> dict:
     cfg = model_config(args.model)
     rows = []
     for n in [int(x) for x in str(args.agents).split(",")]:
-        work = Workload(args, n, tokenizer)
+        work = AgentWorkload(args.workload, n, args.turns_per_agent, args.seed, args.max_tokens,
+                             Pauses(args.seed, args.pause_scale), args.max_steps)
         for fraction in [float(x) for x in str(args.kv_fraction).split(",")]:
-            budget = budget_for(work, args, cfg, fraction)
+            budget = budget_for(work, tokenizer, args, cfg, fraction)
             if budget is None:
                 continue
             for system in systems:
@@ -394,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--agents", default="16", help="concurrent agents, 4 to 32; a comma list runs each (e.g. 4,16)")
     p.add_argument("--turns-per-agent", type=int, default=4, help="user turns per agent")
-    p.add_argument("--workload", default="generated", choices=["generated", "bfcl"],
+    p.add_argument("--workload", default="generated", choices=KINDS,
                    help="generated: scripted workflows of one role; bfcl: BFCL v4's multi-turn agents on its classes")
     p.add_argument("--max-steps", type=int, default=4, help="bfcl: replies with calls per user turn before it is cut")
     p.add_argument("--max-tokens", type=int, default=96, help="cap on each reply (greedy)")

@@ -37,9 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import Counter
-from collections.abc import Callable
-from functools import partial
 
 from tqdm import tqdm
 
@@ -48,8 +45,8 @@ from agentkv.experiments.common import median, parse_systems, run_dir
 from agentkv.experiments.drivers.replay import prepare_requests, workflow
 from agentkv.experiments.report import WandbRun, publish, table, write_json
 from agentkv.experiments.timeline import plot_timelines
-from agentkv.experiments.workloads import agent_runs
-from agentkv.experiments.workloads.agent_runs import Client, Pauses, Reply, records_json, run_agent, run_all, summarize
+from agentkv.experiments.workloads.agent_runs import Client, Pauses, Reply, records_json, run_all, summarize
+from agentkv.experiments.workloads.agent_workload import KINDS, AgentWorkload
 from agentkv.experiments.workloads.workflows import Workflow, interleaved_run
 from agentkv.kernels.cpu_extension import isa
 from agentkv.kernels.dispatch import build_cpu_kernels
@@ -82,52 +79,24 @@ def system_engine(system: str, base: Engine, kv_bytes: int) -> Engine:
     return Engine(base.model, base.tokenizer, kv_cache_bytes=kv_bytes, kv_offload_bytes=0, **kwargs)
 
 
-Jobs = Callable[[Client, Callable[[], object]], dict]  # (client, on_request) -> each agent's job
-
-
-def workload(args: argparse.Namespace, tokenizer, page_size: int) -> tuple[dict, list[str], Jobs, str]:
-    """The run's KV budget, its agents, their jobs and a line that says what they are."""
-    pauses = Pauses(args.seed, args.pause_scale)
-    if args.workload == "bfcl":
-        from agentkv.experiments.workloads import bfcl_agents  # bfcl-eval is installed apart (README)
-
-        roles = tuple(args.roles.split(",")) if args.roles else bfcl_agents.DEFAULT_ROLES
-        agents = bfcl_agents.pick_agents(args.agents, args.turns_per_agent, args.seed, roles)
-        budget = bfcl_agents.kv_budget(tokenizer, agents, args.max_tokens, args.kv_fraction, page_size)
-        mix = ", ".join(f"{n} x {r}" for r, n in sorted(Counter(a.role for a in agents).items()))
-
-        def jobs(client: Client, on_request) -> dict:
-            return {a.agent: partial(bfcl_agents.run_bfcl_agent, a, client, args.max_tokens, args.max_steps, pauses,
-                                     on_request) for a in agents}
-
-        what = (f"BFCL v4 multi_turn_base agents ({mix}), their first {args.turns_per_agent} user turns, tools run "
-                f"on BFCL's classes, up to {args.max_steps} replies with calls a turn")
-        return budget, [a.agent for a in agents], jobs, what
-    wf = agent_runs.plan(args.seed, args.agents, args.turns_per_agent)
-    budget = agent_runs.kv_budget(tokenizer, wf, args.max_tokens, args.kv_fraction, page_size)
-
-    def generated_jobs(client: Client, on_request) -> dict:
-        return {c.agent: partial(run_agent, c, client, args.max_tokens, pauses, on_request) for c in wf.conversations}
-
-    what = f"generated agents of one role, {args.turns_per_agent} turns each, scripted tool results"
-    return budget, [c.agent for c in wf.conversations], generated_jobs, what
-
-
 def agents_run(args: argparse.Namespace) -> dict:
     base = Engine.from_pretrained(args.model, dtype=args.dtype, num_pages=1)  # the model and tokenizer; each system gets its own pool
     token_bytes = base.pool.token_bytes
     try:
-        budget, names, jobs, what = workload(args, base.tokenizer, base.pool.page_size)
+        work = AgentWorkload(args.workload, args.agents, args.turns_per_agent, args.seed, args.max_tokens,
+                             Pauses(args.seed, args.pause_scale), args.max_steps,
+                             tuple(args.roles.split(",")) if args.roles else None)
+        budget = work.budget(base.tokenizer, args.kv_fraction, base.pool.page_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     rows, records = [], {}
     for system in parse_systems(args.systems, SYSTEMS):
         engine = system_engine(system, base, budget["tokens"] * token_bytes)
-        client = engine_client(engine, names if system == "stateful" else None)
+        client = engine_client(engine, work.names if system == "stateful" else None)
         engine.scheduler.start()
         try:
             with tqdm(desc=system, unit="request") as bar:
-                recs, wall = run_all(jobs(client, bar.update))
+                recs, wall = run_all(work.jobs(client, bar.update))
         finally:
             engine.scheduler.stop()
         totals = engine.scheduler.turn_totals
@@ -137,7 +106,7 @@ def agents_run(args: argparse.Namespace) -> dict:
                      "computed_tokens": int(totals.get("computed_tokens", 0)),
                      "restored_tokens": int(totals.get("restored_tokens", 0)),
                      "preemptions": engine.scheduler.counters.preemptions})
-    return {"workload": args.workload, "what": what, "agents": args.agents, **budget, "pause_scale": args.pause_scale,
+    return {"workload": args.workload, "what": work.what, "agents": args.agents, **budget, "pause_scale": args.pause_scale,
             "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "records": records}
 
 
@@ -212,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="serve.py demo", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="agents", choices=["agents", "6", "35", "interleaved"],
                    help="agents: many agents at once with tool pauses; 6|35|interleaved: teacher-forced replay")
-    p.add_argument("--workload", default="bfcl", choices=["bfcl", "generated"],
+    p.add_argument("--workload", default="bfcl", choices=KINDS,
                    help="bfcl: BFCL v4's multi-turn agents on its tool classes; generated: scripted workflows")
     p.add_argument("--agents", type=int, default=8, help="agents at once")
     p.add_argument("--turns-per-agent", type=int, default=2, help="user turns per agent")

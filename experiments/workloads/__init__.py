@@ -8,4 +8,6 @@
   bfcl         BFCL v4 (bfcl-eval): its entries, function docs as tools, the
                multi-turn loop on its executable classes and its checker
   bfcl_agents  BFCL's multi-turn conversations as many live agents at once
+  agent_workload  which agents a many-agents run serves (BFCL's or generated),
+               their KV budget and jobs: shared by the demo and bench_agents
 """
