@@ -91,3 +91,21 @@ def test_bfcl_agents_over_http(tmp_path):
     # Two of the three agents share a role: its function docs (thousands of tokens) held once.
     assert row["distinct_tokens"] < row["working_set_tokens"] and row["tokens"] % bench_agents.BLOCK == 0
     assert row["computed_tokens"] + row["reused_tokens"] == row["prompt_tokens"]
+
+
+def test_under_pressure_every_turn_is_served(tmp_path):
+    """A pool smaller than the agents' distinct working set: the turns wait, are evicted or
+    recomputed, but none fails (a turn once could, with KVCapacityError, when
+    a request found the pool held by others), and retention or admission
+    changes when a reply comes, never what it says."""
+    systems = ["agentkv", "agentkv-noadmit", "agentkv-lru"]
+    bench_agents.main(["--agents", "4", "--turns-per-agent", "2", "--max-tokens", "8", "--pause-scale", "0.02",
+                       "--kv-fraction", "0.5", "--threads", "1", "--systems", ",".join(systems), "--out", str(tmp_path),
+                       "--no-wandb"])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    for r in rows:
+        assert r["errors"] == [] and r["completed_turns"] == r["planned_turns"] == 8
+        assert r["tokens"] < r["distinct_tokens"]  # the pool cannot hold every agent's KV at once
+        assert r["computed_tokens"] + r["reused_tokens"] == r["prompt_tokens"]
+    for other in rows[1:]:
+        assert other["replies_equal"] == other["completed_turns"]

@@ -2,8 +2,10 @@
 sessions submit, append, fork, truncate, cancel and close while a pool small
 enough to force queueing and preemption serves them. After every rule the
 page accounting holds and every request is queued, running or done exactly
-once; at the end every request is done, and each greedy generation that
-finished equals the same request run alone on an engine with room."""
+once; at the end every request is done, each greedy generation equals the
+same request run alone on an engine with room, and the only requests that
+failed are those cancelled or whose session was closed: pressure alone
+(queueing, preemption) never fails one."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from agentkv import Engine
-from agentkv.engine.errors import EngineError, KVCapacityError
+from agentkv.engine.errors import EngineError, KVCapacityError, RequestCancelledError, SessionClosedError
 from agentkv.engine.limits import Limits
 from tests.hf_models import make_hf_model
 
@@ -47,6 +49,8 @@ def test_scheduler_state_machine(ckpt):
             self.engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=20, pin_ttl=0.0, limits=limits)
             self.sessions = []
             self.requests = []  # (request, prompt, max_tokens, speculative)
+            self.session_of = {}  # request -> its session
+            self.cancelled = set()
 
         def idle(self):
             return [s for s in self.sessions if not s.closed and not s.busy]
@@ -76,6 +80,7 @@ def test_scheduler_state_machine(ckpt):
             except EngineError:  # a full queue, a sequence beyond the pool: refused, nothing changed
                 return
             self.requests.append((req, s.tokens, max_tokens, speculative))
+            self.session_of[req] = s
 
         @precondition(lambda self: self.idle())
         @rule(i=st.integers(0, 99), n=st.integers(1, 8))
@@ -106,6 +111,7 @@ def test_scheduler_state_machine(ckpt):
                 return
             live = [r for r, *_ in self.requests if not r.done.is_set()]
             live[i % len(live)].cancel()
+            self.cancelled.add(live[i % len(live)])
 
         @precondition(lambda self: any(not s.closed for s in self.sessions))
         @rule(i=st.integers(0, 99))
@@ -142,6 +148,10 @@ def test_scheduler_state_machine(ckpt):
                 if req.error is None:
                     assert len(req.output) == max_tokens
                     assert req.output == alone(prompt, max_tokens, speculative)
+                elif isinstance(req.error, RequestCancelledError):
+                    assert req in self.cancelled, req.error
+                else:
+                    assert isinstance(req.error, SessionClosedError) and self.session_of[req].closed, req.error
             seen["finished"] += sum(r.error is None for r, *_ in self.requests)
             seen["preemptions"] += sched.counters.preemptions
             seen["batched_steps"] += sum(sched.counters.batch_size.counts[1:])

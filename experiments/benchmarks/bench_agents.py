@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     wandb = None if args.no_wandb else WandbRun("bench_agents", res["args"], summary,
                                                 tables={"systems": (HEADERS, table_rows(rows))})
     publish(Path(res["out_dir"]), res, "\n".join(lines),
-            plots={"bench_agents.png": plot, "bench_agents_timeline.png": plot_timeline}, wandb=wandb)
+            plots={"bench_agents.png": plot, "bench_agents_timeline.png": plot_timeline} if rows else {}, wandb=wandb)
     return res
 
 
