@@ -11,7 +11,8 @@ is one) and is published to the prefix cache, so a later turn finds it in
 one or the other. Next idle sessions still inside their pin give way (soft
 pins), the least valuable first: the seconds bringing its KV back would
 cost (restored from the tier, or recomputed), per second until its next
-turn is expected. Only then does the scheduler preempt running work: idle
+turn is expected, save that a tenant's pins beyond its share of the pool
+go before any other's. Only then does the scheduler preempt running work: idle
 KV is never kept at the price of work in flight (Continuum pins only while
 that starves nothing). A sequence pinned for good (pin_ttl None) never
 gives way.
@@ -27,7 +28,7 @@ from agentkv.cache.kv_tier import KVTier
 from agentkv.cache.pool import PagePool
 from agentkv.cache.radix import RadixCache
 from agentkv.engine.retention import Retention
-from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequence import Sequence, owner_of
 
 # A pinned session already due back is worth holding as if it were due in this long.
 MIN_WAIT_S = 0.05
@@ -129,6 +130,29 @@ class KVPolicy:
             seq.last_logits = None
         return restored
 
+    def _pins_order(self, pinned: list[Sequence], now: float) -> list[Sequence]:
+        """The order idle sessions inside their pin give way: the least
+        valuable first (bring-back seconds per second until due back), but
+        first of all what a tenant pins beyond its share, the pool divided
+        among the tenants holding pins; so one tenant's many pins never push
+        out another's few, while each tenant's pins within its share hold
+        in value order."""
+        r = self.retention
+        by_value = sorted(pinned, key=lambda s: self.bring_back_s(s) / max(r.expected_back(s) - now, MIN_WAIT_S))
+        held: dict[str, int] = {}
+        for s in pinned:
+            held[owner_of(s.namespace)] = held.get(owner_of(s.namespace), 0) + len(s.table.pages)
+        share = self.pool.num_pages // max(1, len(held))
+        excess, within = [], []
+        for s in by_value:
+            owner = owner_of(s.namespace)
+            if held[owner] > share:
+                held[owner] -= len(s.table.pages)
+                excess.append(s)
+            else:
+                within.append(s)
+        return excess + within
+
     def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False,
                   busy_keys: frozenset[str] = frozenset()) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
@@ -144,8 +168,7 @@ class KVPolicy:
         r = self.retention
         order = sorted((s for s in idle if s.expired(now)), key=r.eviction_key)
         if soft_pins:
-            order += sorted((s for s in idle if not s.expired(now)),
-                            key=lambda s: self.bring_back_s(s) / max(r.expected_back(s) - now, MIN_WAIT_S))
+            order += self._pins_order([s for s in idle if not s.expired(now)], now)
         for seq in order:
             if self.pool.num_free >= pages:
                 break

@@ -171,3 +171,26 @@ def test_retention_workload_keeps_every_invariant(reference, script):
     for s in sessions:
         s.close()
     assert engine.tier.host_used == 0
+
+
+def test_pins_over_a_tenants_share_give_way_first(reference):
+    """Pinned sessions give way (soft pins) in the order of what each costs to
+    bring back per second until it is due; but a tenant pinning more than its
+    share of the pool (the pool over the tenants holding pins) loses its
+    excess first, so one tenant's many pins cannot push out another's few."""
+    engine = Engine(reference.model, None, page_size=PS, num_pages=40, retention=RetentionConfig(tool_ttl_floor=0.0))
+    hog = [engine.session("hog") for _ in range(3)]
+    small = engine.session("small:salt")  # a cache salt stays its tenant's
+    for i, s in enumerate(hog):
+        s.append(ids(64, 40 + i))  # 8 pages each: 24, over the 20-page share of two tenants
+    small.append(ids(16, 50))  # 2 pages
+    for s in hog:
+        s.end_turn(["build"], expected_s=10.0)
+    small.end_turn(["build"], expected_s=100.0)  # the cheapest to bring back, and due last
+    assert engine.scheduler.make_room(40 - 26 + 5, soft_pins=True)  # 5 more pages: one of hog's goes
+    assert small.table.pages and sum(not s.table.pages for s in hog) == 1
+    # Within its share, a tenant's pins go in the policy's order again: small's first.
+    assert engine.scheduler.make_room(40 - 18 + 1, soft_pins=True)
+    assert not small.table.pages and sum(not s.table.pages for s in hog) == 1
+    for s in (*hog, small):
+        s.close()
