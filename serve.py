@@ -84,7 +84,8 @@ def serve(argv: list[str]) -> None:
                         help="live sessions; past it the requester's longest idle one is closed, never another "
                              "tenant's (429 when it has none)")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
-                        help="seconds after which an idle session is closed (its KV offered to the prefix cache first)")
+                        help="seconds after which an idle session is closed (its KV offered to the prefix cache first); "
+                             "named sessions and stored responses only leave the pool, their records kept")
     limits.add_argument("--max-retain-seconds", type=float, default=defaults.max_retain_s,
                         help="the longest pin POST /v1/sessions/{id}/retain may ask for, and what one without "
                              "seconds gets: no client holds KV in the pool for good")

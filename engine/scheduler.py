@@ -286,7 +286,10 @@ class Scheduler:
         if timeout is not None and now - self._last_idle_check >= IDLE_CHECK_S:
             self._last_idle_check = now
             for seq in [s for s in self.sequences.all if not s.busy and now - s.idle_since >= timeout]:
-                self.sequences.close(seq)
+                if not seq.kept:
+                    self.sequences.close(seq)
+                elif seq.table.pages:  # its record's next turn restores or recomputes it
+                    self.policy.evict(seq, family_busy=any(s.busy for s in self.sequences.family(seq.key)))
 
     def make_room(self, pages: int, soft_pins: bool = False) -> bool:
         """Apply the KV policy (engine.kv_policy) until `pages` are free,

@@ -51,6 +51,10 @@ class Sequence:
     # Names its KV in the second tier (cache.kv_tier); the forks that work
     # a session's turns share it with the session.
     key: str = field(default_factory=lambda: secrets.token_hex(8))
+    # A record outside the engine names it (a named session, a stored
+    # response): past the idle timeout its KV leaves the pool, but it stays
+    # open for the record's next turn.
+    kept: bool = False
     # Its pending tokens are what its next turn is known to begin with: the
     # scheduler computes them when it has nothing else to do (pre-positioning).
     preposition_pending: bool = False

@@ -38,8 +38,9 @@ class Sequences:
         arrival: int | None = None, key: str | None = None,
     ) -> Sequence:
         """A new sequence; at the session limit the longest-idle one of its
-        own owner (owner_of its namespace) is closed to make room, never
-        another's: TooManySessionsError, and nothing changes, if it has none."""
+        own owner (owner_of its namespace) is closed to make room, one that no
+        record keeps first, never another's: TooManySessionsError, and
+        nothing changes, if it has none."""
         with self.lock:
             if len(self.all) >= self.max_sessions:
                 owner = owner_of(namespace)
@@ -47,7 +48,7 @@ class Sequences:
                 if not idle:
                     raise TooManySessionsError(
                         f"the server holds its limit of {len(self.all)} sessions and none of this owner's is idle")
-                self.close(min(idle, key=lambda s: s.idle_since))
+                self.close(min(idle, key=lambda s: (s.kept, s.idle_since)))
             seq = Sequence(table if table is not None else BlockTable(self.pool), namespace,
                            next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens))
             if key is not None:
@@ -131,6 +132,10 @@ class Sequences:
         """Copy seq's KV to the second tier and keep it there on disk across restarts."""
         with self.idle(seq):
             return self.policy.persist(seq)
+
+    def keep(self, seq: Sequence) -> None:
+        with self.lock:
+            seq.kept = True
 
     def park(self, seq: Sequence) -> None:
         """Move an idle sequence's KV out of the pool (to the second tier and

@@ -307,6 +307,12 @@ class Session:
         self._sequences.adopt(self._seq, other._seq)
         self.message_log = None
 
+    def keep(self) -> None:
+        """A record outside the engine names this session (a named session, a
+        stored response): the idle timeout moves its KV out of the pool (to
+        the second tier and the prefix cache) instead of closing it."""
+        self._sequences.keep(self._seq)
+
     def park(self) -> None:
         """Move this idle session's KV out of the pool now (to the second
         tier, when the engine has one, and the prefix cache); its tokens

@@ -88,3 +88,32 @@ def test_limits_refuse_an_unbounded_pin():
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="max_retain_s"):
             Limits(max_retain_s=bad)
+
+
+def test_named_sessions_and_stored_responses_outlive_the_idle_timeout():
+    # Issue 42: the idle timeout closed every idle session, those that a named
+    # session or a stored response names included: continuing the response
+    # was a 404, and the next turn on the session id began empty. Now their
+    # KV leaves the pool and the record stays; the next turn restores or
+    # recomputes it and answers as with no timeout.
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=64, limits=Limits(session_idle_timeout=0.2))
+    with TestClient(create_app(engine, MODEL)) as client:
+        first = client.post("/v1/chat/completions", json=chat_body("Plan a trip to Osaka.", session_id="trip"))
+        assert first.status_code == 200
+        made = client.post("/v1/responses", json={"model": MODEL, "input": "Say hello.", "max_output_tokens": 3})
+        assert made.status_code == 200
+        held = client.get("/v1/sessions/trip").json()
+        time.sleep(2.5)  # the scheduler looks for idle sessions once a second
+        after = client.get("/v1/sessions/trip").json()
+        assert after["length"] == held["length"] > 0 and held["pages"] > 0 == after["pages"]
+        history = [{"role": "user", "content": "Plan a trip to Osaka."}, first.json()["choices"][0]["message"],
+                   {"role": "user", "content": "And then Kyoto?"}]
+        second = client.post("/v1/chat/completions", json={**chat_body("", session_id="trip"), "messages": history})
+        assert second.status_code == 200 and second.json()["usage"]["prompt_tokens"] > held["length"]
+        assert client.get("/v1/sessions/trip").json()["length"] > held["length"]
+        cont = client.post("/v1/responses", json={"model": MODEL, "input": "Again.", "max_output_tokens": 3,
+                                                  "previous_response_id": made.json()["id"]})
+        assert cont.status_code == 200, cont.text
+        assert cont.json()["usage"]["input_tokens"] > made.json()["usage"]["input_tokens"]
+        # The engine holds the sessions the records name: trip and the two responses'.
+        assert len(engine.sequences.all) == 3

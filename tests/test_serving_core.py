@@ -310,3 +310,26 @@ def test_session_limit_closes_the_longest_idle_and_idle_timeout_closes(ckpt, mon
     assert b.closed and c.closed
     engine.radix.clear()
     assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_kept_sessions_are_parked_by_the_idle_timeout_and_closed_last_at_the_limit(ckpt, monkeypatch):
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64,
+                                    limits=Limits(max_sessions=2, session_idle_timeout=60.0))
+    kept, plain = engine.session(), engine.session()
+    kept.keep()
+    kept.append(ids(9, 11))
+    plain.append(ids(5, 12))
+    other = engine.session()  # kept is the longest idle, but a record names it: plain goes
+    assert plain.closed and not kept.closed
+    import agentkv.engine.scheduler as sched_module
+
+    now = time.monotonic()
+    monkeypatch.setattr(sched_module.time, "monotonic", lambda: now + 61.0)
+    engine.scheduler.step()
+    assert other.closed and not kept.closed and not kept.table.pages and len(kept) == 9
+    computed = kept.turn.computed_tokens
+    kept.append(ids(3, 13))  # its prefix comes back from the prefix cache: only the new tokens are computed
+    assert kept.table.length == 12 and kept.turn.computed_tokens == computed + 3
+    kept.close()
+    engine.radix.clear()
+    assert engine.pool.num_free == engine.pool.num_pages

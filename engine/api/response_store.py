@@ -56,6 +56,9 @@ class StoredResponse:
     lock: threading.Lock = field(default_factory=threading.Lock)
     deleted: bool = False
 
+    def __post_init__(self) -> None:
+        self.session.keep()  # the idle timeout parks its KV; a continuation still finds it
+
     @property
     def id(self) -> str:
         return self.response.id

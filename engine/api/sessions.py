@@ -60,6 +60,9 @@ class _Entry:
     busy: bool = False
     stamp: Stamp | None = None  # of its saved record, as this replica last wrote or read it
 
+    def __post_init__(self) -> None:
+        self.session.keep()  # the idle timeout parks its KV; the id keeps its history
+
 
 class Lease:
     """Exclusive use of one session; release() is idempotent and thread-safe."""
