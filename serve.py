@@ -105,7 +105,7 @@ def serve(argv: list[str]) -> None:
                         help="requests in flight, streams included")
     access.add_argument("--tenant-max-kv-pages", type=int, default=None,
                         help="KV pages its sessions and stored responses hold in the pool and the second tier "
-                             "(default with keys: the pool's and the tier's pages shared equally among the tenants)")
+                             "(default: no quota beyond what there is)")
     access.add_argument("--max-request-bytes", type=int, default=q.max_body_bytes, help="one request body")
     access.add_argument("--default-max-tokens", type=int, default=None,
                         help="a request's max_tokens when it names none (default: the model's generation config's "

@@ -252,15 +252,6 @@ class Engine:
     def _pinned_pages(self) -> set[int]:
         return {p for s in self.sequences.all for p in s.table.pages}
 
-    @property
-    def kv_capacity_pages(self) -> int:
-        """Pages' worth of KV the pool and the second tier (host and disk) can hold."""
-        tier, extra = self.tier, 0
-        if tier is not None:
-            stored = tier.host_bytes + (tier.disk_bytes if tier.disk is not None else 0)
-            extra = stored // (tier.token_bytes * self.pool.page_size)
-        return self.pool.num_pages + extra
-
     def kv_pages_held(self, sessions: Iterable[Session]) -> int:
         """Pages the sessions hold in the pool (each shared page once) plus the
         pages' worth of tokens the second tier holds for them (each entry once:

@@ -26,9 +26,7 @@ class Quotas:
     max_sessions: int = 1024  # live named sessions
     max_responses: int = 1024  # stored responses (previous_response_id)
     max_concurrent: int = 64  # requests in flight, streams included
-    # KV pages its sessions and responses hold in the pool and the second tier
-    # (None: the pool's and the tier's pages shared equally among the tenants)
-    max_kv_pages: int | None = None
+    max_kv_pages: int | None = None  # KV pages its sessions and responses hold in the pool and the second tier
     max_body_bytes: int = 8 << 20  # one request body
     default_max_tokens: int | None = None  # a request's budget when it names none (None: the model's)
 

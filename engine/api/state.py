@@ -54,15 +54,12 @@ class ApiState:
 
     def check_kv_quota(self, tenant: Tenant) -> None:
         """429 if the tenant's sessions and stored responses already hold
-        their quota of KV pages (before a request adds more): the configured
-        one, else the pool's and the tier's pages shared equally among the
-        keys' tenants, so that no tenant can hold what the others need."""
-        if self.keys.open:
-            return
-        limit = self.quotas.max_kv_pages or max(1, self.engine.kv_capacity_pages // max(1, self.keys.tenants))
-        sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
-        check_held("KV pages (in the pool and the second tier)", self.engine.kv_pages_held(sessions), limit,
-                   "delete or truncate sessions, or delete stored responses")
+        their quota of KV pages (before a request adds more)."""
+        limit = self.quotas.max_kv_pages
+        if limit is not None and not self.keys.open:
+            sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
+            check_held("KV pages (in the pool and the second tier)", self.engine.kv_pages_held(sessions), limit,
+                       "delete or truncate sessions, or delete stored responses")
 
     @property
     def tokenizer(self) -> "Tokenizer":

@@ -113,12 +113,6 @@ class ApiKeys:
         with self._lock:
             return len(self._entries)
 
-    @property
-    def tenants(self) -> int:
-        """How many tenants the keys name (several keys may name one)."""
-        with self._lock:
-            return len({tenant.name for _, tenant in self._entries})
-
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of an `Authorization: Bearer KEY` header, None if the key
         is missing or unknown. Every key is compared (in constant time, on
