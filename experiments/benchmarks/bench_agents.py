@@ -95,6 +95,17 @@ def model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
 
 
+def hf_checkpoint(model: Path, dtype: str) -> Path:
+    """The model as an HF checkpoint directory every server can load: itself,
+    or (a GGUF, an adapter over a base) exported once, dequantized and
+    merged, before anything is timed."""
+    if (model / "config.json").is_file():
+        return model
+    exported = export_hf(model, ROOT / "runs" / "hf" / f"{model.resolve().name}-{dtype}", dtype)
+    print(f"serving {rel(exported)} (exported)")
+    return exported
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
@@ -342,11 +353,7 @@ def run(args: argparse.Namespace) -> dict:
         skipped["vllm-apc"] = why
         systems.remove("vllm-apc")
     out = run_dir("bench_agents", args.out)
-    if not (args.model / "config.json").is_file():
-        # Once, before anything is timed: the same dequantized, merged weights for every system.
-        args.model = export_hf(args.model, ROOT / "runs" / "hf" / f"{args.model.resolve().name}-{args.dtype}",
-                               args.dtype)
-        print(f"serving {rel(args.model)} (exported)")
+    args.model = hf_checkpoint(args.model, args.dtype)
     tokenizer = Tokenizer.from_dir(args.model)
     cfg = model_config(args.model)
     rows = []
