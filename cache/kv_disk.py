@@ -3,18 +3,30 @@
 One folder per entry, named by its key: safetensors files of pieces, each
 written once and never changed (a piece's tensors are named p<i>.<part>),
 and manifest.json naming, for every piece in order, its file, name, size
-and CRC32, beside the entry's tokens, namespace and the identity of the
-model and layout the KV belongs to. A manifest is replaced atomically
-(temporary file, fsync, rename) after the files it names were fsynced, so a
-kill -9 leaves the previous manifest or the new one, each naming complete
-files. A piece is verified against its CRC whenever it is read.
+and CRC32, beside the entry's tokens, namespace, the identity of the model
+and layout the KV belongs to, and an id of its own. A manifest is replaced
+atomically (temporary file, fsync, rename, fsync of the folder) after the
+files it names were fsynced, so a kill -9 or a crash leaves the previous
+manifest or the new one, each naming complete files. A piece is verified
+against its CRC whenever it is read.
+
+Several processes may write one folder (replicas sharing a state
+directory, engine.api.cluster), each through a KVDisk of its own: every
+file a writer creates, temporary or not, has a name no other writer uses.
+The manifest on disk is the last writer's; cleanup never removes a file
+it names, nor a file of another writer younger than GRACE_S (its manifest
+may not be written yet).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import os
 import shutil
+import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +36,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 MANIFEST = "manifest.json"
+# Longer than any writer takes from its first piece to the manifest naming it: a file of another
+# writer that no manifest names and is this young may be named by the next one.
+GRACE_S = 600.0
 
 
 class DiskWriteError(OSError):
@@ -47,48 +62,106 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so that a name just renamed or created in it survives
+    a crash. Skipped where the platform cannot open a folder (Windows) or
+    its filesystem cannot fsync one."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
 class KVDisk:
     def __init__(self, root: str | Path, identity: dict):
         self.root, self.identity = Path(root), identity
         self.root.mkdir(parents=True, exist_ok=True)
+        # Begins the name of every file this writer creates: a pid alone repeats on other machines
+        # sharing the folder, and in another KVDisk of this process.
+        self.writer = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._serial = itertools.count()
 
     def _folder(self, key: str) -> Path:
         return self.root / key
 
-    def write_pieces(self, key: str, filename: str, pieces: list[dict[str, torch.Tensor]]) -> list[tuple[str, int]]:
-        """One new file holding these pieces; their (name, crc). DiskWriteError if it cannot be written."""
+    def _new_name(self, suffix: str = "") -> str:
+        return f"{self.writer}-{next(self._serial)}{suffix}"
+
+    def _make(self, folder: Path) -> None:
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root)  # else a crash may lose the folder's name, and all in it
+
+    def write_pieces(self, key: str, pieces: list[dict[str, torch.Tensor]]) -> tuple[str, list[tuple[str, int]]]:
+        """One new file holding these pieces: its name, and the pieces' (name,
+        crc). DiskWriteError if it cannot be written."""
         folder = self._folder(key)
+        filename = self._new_name(".safetensors")
         tensors, out = {}, []
         for i, parts in enumerate(pieces):
             out.append((f"p{i}", crc(parts)))
             tensors.update({f"p{i}.{k}": v.contiguous() for k, v in parts.items()})
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            self._make(folder)
             save_file(tensors, str(folder / filename))
             _fsync(folder / filename)
         except Exception as err:  # OSError, or safetensors' own error type for the same faults
             with contextlib.suppress(OSError):  # no half-written file left behind
                 (folder / filename).unlink(missing_ok=True)
             raise DiskWriteError(f"cannot write {key}/{filename}: {err}") from err
-        return out
+        return filename, out
 
-    def write_manifest(self, key: str, manifest: dict) -> None:
-        """Replace the entry's manifest; files no piece names any more go.
-        DiskWriteError if it cannot be written (the old manifest stays)."""
+    def write_manifest(self, key: str, manifest: dict) -> str:
+        """Replace the entry's manifest; returns the new one's id. Files no
+        manifest names any more go (see the module's docstring). DiskWriteError
+        if it cannot be written (the old manifest stays)."""
         folder = self._folder(key)
-        tmp = folder / (MANIFEST + ".tmp")
+        tmp = folder / self._new_name(".tmp")
+        manifest_id = self._new_name()
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({**manifest, "identity": self.identity}))
+            self._make(folder)
+            tmp.write_text(json.dumps({**manifest, "id": manifest_id, "identity": self.identity}))
             _fsync(tmp)
             os.replace(tmp, folder / MANIFEST)
+            fsync_dir(folder)
         except OSError as err:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise DiskWriteError(f"cannot write {key}/{MANIFEST}: {err}") from err
-        live = {p["file"] for p in manifest["pieces"]}
-        for f in folder.glob("*.safetensors"):
-            if f.name not in live:
-                with contextlib.suppress(OSError):  # what stays is removed by a later write
-                    f.unlink(missing_ok=True)
+        self._sweep(folder, {p["file"] for p in manifest["pieces"]})
+        return manifest_id
+
+    def _sweep(self, folder: Path, named: set[str]) -> None:
+        """Remove the folder's pieces and temporary files that neither named
+        nor the manifest on disk names, if they are this writer's or older
+        than GRACE_S."""
+        old = time.time() - GRACE_S
+        stale = []
+        for f in itertools.chain(folder.glob("*.safetensors"), folder.glob("*.tmp")):
+            with contextlib.suppress(OSError):  # removed meanwhile by another writer's sweep
+                if f.name not in named and (f.name.startswith(self.writer + "-") or f.stat().st_mtime < old):
+                    stale.append(f)
+        if stale:  # read only now: another writer may have replaced the manifest since
+            on_disk = _files_of(self._current(folder))
+            for f in stale:
+                if f.name not in on_disk:
+                    with contextlib.suppress(OSError):
+                        f.unlink(missing_ok=True)
+
+    def _current(self, folder: Path) -> dict:
+        """The manifest on disk; {} if there is none or it cannot be read."""
+        try:
+            m = json.loads((folder / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return {}
+        return m if isinstance(m, dict) else {}
 
     def read_piece(self, key: str, filename: str, name: str, expected_crc: int | None) -> dict[str, torch.Tensor]:
         path = self._folder(key) / filename
@@ -101,7 +174,29 @@ class KVDisk:
             raise CorruptKV(f"checksum mismatch in {path.name} ({name})")
         return parts
 
+    def discard(self, key: str, files: set[str], manifest_id: str | None) -> None:
+        """Remove what this writer drops of an entry: its manifest if that is
+        still the one it wrote or read (manifest_id), and of the files its
+        entry named (files) and its own, those the manifest on disk does not
+        name. What another writer saved of the entry since stays."""
+        folder = self._folder(key)
+        current = self._current(folder)
+        if current and current.get("id") == manifest_id:
+            with contextlib.suppress(OSError):
+                (folder / MANIFEST).unlink(missing_ok=True)
+            current = {}
+        named = _files_of(current)
+        for name in files - named:
+            with contextlib.suppress(OSError):
+                (folder / name).unlink(missing_ok=True)
+        if folder.is_dir():
+            self._sweep(folder, named)
+            with contextlib.suppress(OSError):  # not empty: another writer's files are in it
+                folder.rmdir()
+
     def remove(self, key: str) -> None:
+        """The entry's whole folder: only where this is the disk's one writer
+        (a tier that resumes what is on disk at start, cache.kv_tier.load)."""
         shutil.rmtree(self._folder(key), ignore_errors=True)
 
     def saved(self) -> Iterator[tuple[str, dict | None, str | None]]:
@@ -131,3 +226,10 @@ class KVDisk:
             diff = sorted(k for k in set(theirs) | set(self.identity) if theirs.get(k) != self.identity.get(k))
             return None, f"saved for another model or layout (differs in {', '.join(diff)})"
         return m, None
+
+
+def _files_of(manifest: dict) -> set[str]:
+    try:
+        return {str(p["file"]) for p in manifest.get("pieces", [])}
+    except (TypeError, KeyError):  # a hand-edited manifest: it names nothing cleanup must keep
+        return set()

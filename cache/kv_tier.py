@@ -20,7 +20,9 @@ recompute); an entry larger than the host tier is refused. Persistent
 entries (sessions kept across restarts) are written through to disk
 (cache.kv_disk, whose manifests name the model they belong to); load()
 verifies them (identity and every piece's checksum) and reports what it
-had to discard.
+had to discard. Replicas sharing the disk (engine.api.cluster) adopt()
+entries one by one instead, and dropping an entry removes only what this
+tier wrote or read of it, never what another replica saved since.
 
 On a GPU the copies to host go to pinned memory on a side stream, so an
 offload overlaps the next step; every reader waits for its copy first.
@@ -83,7 +85,7 @@ class _Entry:
     pieces: list[_Piece] = field(default_factory=list)
     used: int = 0
     persistent: bool = False
-    files: int = 0  # files written so far: names the next
+    manifest: str | None = None  # the id of its manifest on disk, as written or read here
 
 
 class KVTier:
@@ -337,12 +339,13 @@ class KVTier:
         p.file = None
 
     def _drop(self, e: _Entry, for_room: bool = True) -> None:
+        files = {p.file for p in e.pieces if p.file is not None}
         for p in e.pieces:
             self._forget_piece(p)
         self._entries.pop(e.key, None)
         self.counters.dropped += for_room
         if self.disk is not None:
-            self.disk.remove(e.key)
+            self.disk.discard(e.key, files, e.manifest)
 
     def drop(self, key: str, persistent: bool = False) -> None:
         """Forget the entry (a persistent one only with persistent=True)."""
@@ -377,15 +380,13 @@ class KVTier:
             self._drop(min(victims, key=lambda x: x.used))
         try:
             if todo:
-                filename = f"{e.files:06d}.safetensors"
-                e.files += 1
-                written = self.disk.write_pieces(e.key, filename, [self._load(e, p) for p in todo])
+                filename, written = self.disk.write_pieces(e.key, [self._load(e, p) for p in todo])
                 for p, (name, crc) in zip(todo, written):
                     p.file, p.name, p.crc = filename, name, crc
                 self.disk_used += need
                 self.counters.spilled_bytes += need
-            self.disk.write_manifest(e.key, {
-                "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens, "files": e.files,
+            e.manifest = self.disk.write_manifest(e.key, {
+                "namespace": e.namespace, "persistent": e.persistent, "tokens": e.tokens,
                 "pieces": [{"n": p.n, "nbytes": p.nbytes, "file": p.file, "name": p.name, "crc": p.crc}
                            for p in e.pieces],
             })
@@ -417,7 +418,8 @@ class KVTier:
     def load(self) -> list[str]:
         """Register the persistent entries found on disk, verified: the model
         identity and every piece's checksum. What fails is reported and
-        removed (its session recomputes). Returns the keys loaded."""
+        removed (its session recomputes). Returns the keys loaded. Only for
+        a disk that is this tier's alone: replicas sharing one adopt instead."""
         if self.disk is None:
             return []
         loaded = []
@@ -484,7 +486,7 @@ class KVTier:
 
 def _from_manifest(key: str, m: dict) -> _Entry:
     """A persistent entry as its manifest names it, its pieces on disk only."""
-    e = _Entry(key, m["namespace"], list(m["tokens"]), persistent=True, files=int(m["files"]))
+    e = _Entry(key, m["namespace"], list(m["tokens"]), persistent=True, manifest=m.get("id"))
     e.pieces = [_Piece(int(p["n"]), int(p["nbytes"]), None, None, p["file"], p["name"], p["crc"]) for p in m["pieces"]]
     if sum(p.n for p in e.pieces) != len(e.tokens) or any(p.file is None for p in e.pieces):
         raise CorruptKV("its manifest does not match its pieces")

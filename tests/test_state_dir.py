@@ -5,6 +5,7 @@ corrupted page file or KV saved for another model is reported and that
 session recomputes; a restore of an unknown session is a 404."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -108,7 +109,8 @@ def test_corrupt_kv_is_reported_and_the_session_recomputes(tmp_path, uninterrupt
     with in_process(tmp_path) as client:
         first = turns(post_with(client), "a", QUESTIONS[:2], history)
         key_dirs = [p for p in (tmp_path / "kv").iterdir() if p.is_dir()]
-    newest = sorted(key_dirs[0].glob("*.safetensors"))[-1]  # an older file's tail may be a piece since replaced
+    # The last piece's file, the newest: an older file's tail may be a piece since replaced.
+    newest = key_dirs[0] / json.loads((key_dirs[0] / "manifest.json").read_text())["pieces"][-1]["file"]
     raw = bytearray(newest.read_bytes())
     raw[-9] ^= 0x5A
     newest.write_bytes(bytes(raw))

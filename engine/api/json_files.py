@@ -1,17 +1,23 @@
-"""A folder of JSON records that survive a kill -9: each is replaced
-atomically (written to a temporary file, fsynced, renamed over the old
-one), so a reader finds either the previous record or the new one. Records
-that cannot be read are reported, never half-loaded. A record's stamp (its
-file's inode, size and modification time) changes with every replacement,
-so a process sharing the folder (a replica) can tell cheaply whether another
-has written a record since it last read or wrote it."""
+"""A folder of JSON records that survive a kill -9 or a crash: each is
+replaced atomically (written to a temporary file, fsynced, renamed over the
+old one, the folder fsynced), so a reader finds either the previous record
+or the new one. Writers sharing the folder (replicas) never share a
+temporary file. Records that cannot be read are reported, never
+half-loaded. A record's stamp (its file's inode, size and modification
+time) changes with every replacement, so a process sharing the folder (a
+replica) can tell cheaply whether another has written a record since it
+last read or wrote it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
+
+from agentkv.cache.kv_disk import fsync_dir
 
 log = logging.getLogger("agentkv.state")
 
@@ -29,14 +35,21 @@ class JsonFiles:
 
     def write(self, name: str, body: dict) -> Stamp:
         path = self.root / f"{name}.json"
-        # Named by the writing process too: replicas sharing the folder may replace one record at once.
-        tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"version": VERSION, **body}, f)
-            f.flush()
-            os.fsync(f.fileno())
-            st = os.fstat(f.fileno())
-        os.replace(tmp, path)
+        # Writers of one record at once (replicas sharing the folder, on this machine or another, or
+        # threads here) each write a temporary file of their own: a pid alone repeats across machines.
+        tmp = path.with_suffix(f".json.{os.getpid()}-{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"version": VERSION, **body}, f)
+                f.flush()
+                os.fsync(f.fileno())
+                st = os.fstat(f.fileno())
+            os.replace(tmp, path)
+        except Exception:
+            with contextlib.suppress(OSError):  # a name never reused: left, it would stay for good
+                tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.root)
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def stamp(self, name: str) -> Stamp | None:
@@ -66,6 +79,7 @@ class JsonFiles:
 
     def rename(self, old: str, new: str) -> None:
         os.replace(self.root / f"{old}.json", self.root / f"{new}.json")
+        fsync_dir(self.root)
 
     def count(self, prefix: str) -> int:
         """How many records have a name starting with prefix (one listing, nothing read)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from agentkv.engine import MessageLog
 from agentkv.engine.api.json_files import JsonFiles
-from agentkv.engine.api.session_files import check_tokens
+from agentkv.engine.api.session_files import check_key, check_tokens
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
 
@@ -76,4 +76,4 @@ def _parse(b: dict, vocab_size: int) -> SavedResponse:
     _name(b["response"]["id"])
     log = MessageLog.from_json(b["log"]) if b.get("log") is not None else None
     return SavedResponse(b["response"], str(b["tenant"]), str(b["namespace"]), list(b["input_items"]), list(b["conversation"]),
-                         str(b["key"]), check_tokens(b["tokens"], vocab_size), int(b["order"]), log)
+                         check_key(b["key"]), check_tokens(b["tokens"], vocab_size), int(b["order"]), log)

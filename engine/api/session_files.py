@@ -38,6 +38,17 @@ class SavedSession:
     log: MessageLog | None = None  # which chat messages the tokens are (engine.message_log)
 
 
+TIER_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_key(key: object) -> str:
+    """A tier key names a folder of the disk tier (cache.kv_disk): one of
+    its own, never the tier's root or a path out of it."""
+    if not isinstance(key, str) or not TIER_KEY.match(key):
+        raise ValueError(f"bad tier key {key!r}")
+    return key
+
+
 def check_tokens(tokens: object, vocab_size: int) -> list[int]:
     if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens):
@@ -104,5 +115,5 @@ def _parse(b: dict, vocab_size: int) -> SavedSession:
     log = MessageLog.from_json(b["log"]) if b.get("log") is not None else None
     if log is not None and log.length + len(log.prepositioned) != len(tokens):
         log = None  # not of these tokens: the session continues template-faithfully once
-    return SavedSession(b["tenant"], b["id"], str(b["namespace"]), str(b["key"]), tokens,
+    return SavedSession(b["tenant"], b["id"], str(b["namespace"]), check_key(b["key"]), tokens,
                         [TurnRecord(**t) for t in b["turns"]], log)
