@@ -2,11 +2,15 @@
 X-Session-Id affinity every turn after the first lands on the replica that
 holds its session; when a replica is killed, its sessions continue on the
 other from the shared state directory with the replies of an uninterrupted
-run; a missing router or a replica that cannot start is a clear error."""
+run; the public port passes the client API but not the router's unauthenticated
+admin endpoints; a missing router or a replica that cannot start is a clear error."""
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -27,11 +31,11 @@ def questions(session_id: str) -> list[str]:
     return [f"Read the file notes/{session_id}.md and list what is open.", *FOLLOW_UPS]
 
 
-def start(tmp_path, **kwargs) -> Cluster:
+def start(tmp_path, serve_args: list[str] = SERVE_ARGS, **kwargs) -> Cluster:
     """Two replicas and the router, started by `with`."""
     return Cluster(2, tmp_path / "state", port=free_port(), replica_ports=[free_port(), free_port()],
-                   metrics_port=free_port(), threads=1,
-                   serve_args=SERVE_ARGS, startup_timeout=120, **kwargs)
+                   metrics_port=free_port(), router_port=free_port(), threads=1,
+                   serve_args=serve_args, startup_timeout=120, **kwargs)
 
 
 def turn(url: str, session_id: str, history: list[dict], question: str) -> dict:
@@ -181,6 +185,77 @@ def test_a_responses_conversation_continues_on_either_replica(tmp_path):
             r = httpx.post(url + "/v1/responses", timeout=30,
                            json={"model": MODEL, "input": "Still there?", "previous_response_id": gone})
             assert r.status_code == 404
+
+
+KEY = "sk-cluster-test"
+
+
+def raw_request(url: str, method: str, target: str) -> tuple[int, dict]:
+    """A request target sent as written (httpx would resolve dot segments before sending)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request(method, target)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_the_public_port_serves_clients_but_not_the_routers_admin(tmp_path):
+    """vllm-router manages its workers over HTTP with no authentication: on
+    the public port anyone could take the replicas out of the ring or add a
+    worker of their own and receive other tenants' requests. There those
+    paths are 404 (tricks with dot segments too) and reach no router, while
+    chat, streamed chat and the session endpoints pass through with their
+    headers (the replicas check the API key) and statuses."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with start(tmp_path, serve_args=[*SERVE_ARGS, "--api-key", KEY]) as c:
+        target = urllib.parse.quote(c.replica_urls[0], safe="")
+        admin = [("POST", f"/remove_worker?url={target}"), ("POST", "/add_worker?url=http://127.0.0.1:9"),
+                 ("GET", "/list_workers"), ("GET", "/workers"), ("DELETE", f"/workers/{target}"),
+                 ("GET", "/get_loads"), ("POST", "/flush_cache"), ("POST", "/finish_session?session_id=s"),
+                 ("GET", "/readiness"), ("GET", "/liveness")]
+        for method, path in admin:
+            r = httpx.request(method, c.url + path, headers=auth, timeout=30)
+            assert r.status_code == 404, (method, path, r.text)
+            assert r.json()["error"]["code"] == "not_found"
+        for path in (f"/v1/sessions/../remove_worker?url={target}", f"/v1/models/%2e%2e/remove_worker?url={target}",
+                     f"/v1/sessions/..%2Fremove_worker?url={target}", "/v1/sessions/./../list_workers"):
+            status, body = raw_request(c.url, "POST", path)
+            assert status == 404 and body["error"]["code"] == "not_found", (path, status, body)
+        # Both replicas are still the router's workers, and alive.
+        assert sorted(httpx.get(c.router_url + "/list_workers", timeout=30).json()["urls"]) == sorted(c.replica_urls)
+        assert all(p.alive() for p in c.replicas)
+
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                "temperature": 0.0}
+        refused = httpx.post(c.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(c.url + "/v1/chat/completions", json=chat, headers=auth | {"X-Session-Id": "agent-a"},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 0
+        assert httpx.get(c.url + "/v1/models", timeout=30).status_code == 401
+        assert httpx.get(c.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == MODEL
+
+        events = []
+        with httpx.stream("POST", c.url + "/v1/chat/completions", timeout=120,
+                          headers=auth | {"X-Session-Id": "agent-b"},
+                          json=chat | {"stream": True, "max_tokens": 16, "ignore_eos": True}) as s:
+            assert s.status_code == 200
+            assert s.headers["content-type"].startswith("text/event-stream")
+            assert "content-length" not in s.headers and s.headers.get("x-request-id")
+            events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert sum(bool(ch["choices"] and ch["choices"][0]["delta"].get("content")) for ch in chunks) >= 8
+        # The sessions the X-Session-Id headers named, each held by one replica. (Asked of the replicas: the
+        # router forwards paths it does not know, /v1/sessions among them, without the client's headers.)
+        held = [{s["id"]: len(s["turns"]) for s in
+                 httpx.get(url + "/v1/sessions", headers=auth, timeout=30).json()["data"]} for url in c.replica_urls]
+        assert sorted(s for h in held for s in h) == ["agent-a", "agent-b"]
+        assert all(n == 1 for h in held for n in h.values())
 
 
 def test_a_missing_router_is_a_clear_error(tmp_path, monkeypatch):

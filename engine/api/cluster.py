@@ -5,9 +5,19 @@
 
 Each replica is `serve.py --state-dir DIR --shared-state` on 127.0.0.1
 (ports --port+1, +2, ...; OMP_NUM_THREADS --threads, by default the cores
-shared out), and the router (vllm-router, a Rust binary from PyPI: `pip
+shared out), the router (vllm-router, a Rust binary from PyPI: `pip
 install '.[cluster]'`; its own Prometheus metrics on the port after the
-replicas') listens on --host:--port with the replicas as its workers. Clients talk to the router as to one server.
+replicas') has the replicas as its workers, and clients talk to it as to
+one server through --host:--port.
+
+- The public port: vllm-router serves its worker management (/add_worker,
+  /remove_worker, /list_workers, /workers, /flush_cache, ...) on the port it
+  routes on, with no authentication and no option to move it. So the router
+  listens on 127.0.0.1 only (the port after its metrics'), where the watcher
+  and drain below manage its workers, and --host:--port is a reverse proxy
+  in this process (engine.api.router_proxy) that forwards the replicas'
+  client API (their /v1/... routes, /health, /metrics), headers, streams and
+  statuses intact, and answers any other path 404.
 
 - Affinity: with --policy consistent_hash (the default) the router hashes a
   request's X-Session-Id header (its first choice of key) onto a ring of the
@@ -29,13 +39,15 @@ replicas') listens on --host:--port with the replicas as its workers. Clients ta
 - Drain (Cluster.drain): one replica leaves the router, then finishes its
   requests in flight and exits; its sessions continue on the others from
   their saved records, as after a failure but with nothing lost.
-- Shutdown (SIGTERM, SIGINT): the router stops first, so no new request
-  arrives, then every replica gets SIGTERM and drains its requests in flight
+- Shutdown (SIGTERM, SIGINT): the public proxy stops first, so no new
+  request arrives (those in flight get a few seconds to end), then the
+  router, then every replica gets SIGTERM and drains its requests in flight
   (their sessions are saved as each ends) before it exits.
 
 Start-up fails with a ClusterError that says why: the router is not
 installed (RouterMissingError), a replica or the router exited or did not
-answer /health in time (StartError, with the tail of its log).
+answer /health in time (StartError, with the tail of its log), the public
+port cannot be had (StartError).
 """
 from __future__ import annotations
 
@@ -53,11 +65,14 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from agentkv.engine.api.router_proxy import ProxyStartError, RouterProxy
+
 log = logging.getLogger("agentkv.cluster")
 
 POLICIES = ("consistent_hash", "cache_aware", "round_robin")
 ROOT = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 60.0  # a replica's drain (serve.py waits up to 30 s for requests in flight) and its exit
+PROXY_STOP_TIMEOUT_S = 10.0  # requests in flight through the proxy get 8 s (RouterProxy.graceful_timeout) to end
 
 
 class ClusterError(RuntimeError):
@@ -116,11 +131,12 @@ def _healthy(url: str) -> bool:
 
 
 class Cluster:
-    """N replicas and the router; start() returns once all answer /health."""
+    """N replicas, the router and the public proxy; start() returns once all answer /health.
+    url is the public one (the proxy's), router_url the router's own on loopback (its admin API too)."""
 
     def __init__(self, replicas: int, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
                  replica_ports: list[int] | None = None, metrics_port: int | None = None,
-                 policy: str = "consistent_hash", threads: int | None = None,
+                 router_port: int | None = None, policy: str = "consistent_hash", threads: int | None = None,
                  serve_args: list[str] = (), startup_timeout: float = 300.0, log_dir: str | Path | None = None):
         if replicas < 1:
             raise ValueError("a cluster needs at least one replica")
@@ -132,13 +148,16 @@ class Cluster:
         if len(self.ports) != replicas:
             raise ValueError(f"{replicas} replicas need {replicas} ports, got {len(self.ports)}")
         self.metrics_port = metrics_port or port + 1 + replicas  # the router's own /metrics
+        self.router_port = router_port or port + 2 + replicas  # the router itself, on loopback
         self.threads = threads or max(1, (os.cpu_count() or 1) // replicas)
         self.serve_args, self.startup_timeout = list(serve_args), startup_timeout
         self.log_dir = Path(log_dir) if log_dir is not None else self.state_dir / "logs"
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        self.router_url = f"http://127.0.0.1:{self.router_port}"
         self.replica_urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.replicas: list[_Process] = []
         self.router: _Process | None = None
+        self.proxy: RouterProxy | None = None
         self._removed: set[int] = set()
         self._stopping = threading.Event()
 
@@ -154,7 +173,12 @@ class Cluster:
             for p, url in zip(self.replicas, self.replica_urls):
                 self._wait(p, url)
             self.router = self._router()
-            self._wait(self.router, self.url)
+            self._wait(self.router, self.router_url)
+            self.proxy = RouterProxy(self.router_url, self.host, self.port)
+            try:
+                self.proxy.start()
+            except ProxyStartError as e:
+                raise StartError(f"the public proxy did not start: {e}") from e
         except BaseException:
             self.stop()
             raise
@@ -169,7 +193,9 @@ class Cluster:
         return _Process(f"replica {i}", cmd, self.log_dir / f"replica-{i}.log", env)
 
     def _router(self) -> _Process:
-        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host, "--port", str(self.port),
+        # Loopback only: its admin API has no authentication (the proxy serves the public port).
+        cmd = [sys.executable, "-m", "vllm_router.launch_router",
+               "--host", "127.0.0.1", "--port", str(self.router_port),
                "--worker-urls", *self.replica_urls, "--policy", self.policy,
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                # A replica that died is out of the ring within a second even if the watcher missed it.
@@ -200,8 +226,8 @@ class Cluster:
     def _remove_from_router(self, url: str) -> None:
         query = urllib.parse.urlencode({"url": url})
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{self.url}/remove_worker?{query}", method="POST"),
-                                   timeout=5).close()
+            request = urllib.request.Request(f"{self.router_url}/remove_worker?{query}", method="POST")
+            urllib.request.urlopen(request, timeout=5).close()
         except (urllib.error.URLError, OSError) as e:  # the health check takes it out instead
             log.warning("could not remove %s from the router: %s", url, e)
 
@@ -224,17 +250,23 @@ class Cluster:
         self._stopping.set()
 
     def wait(self) -> int:
-        """Until interrupt() or the router exits: 0, or the router's exit code."""
+        """Until interrupt(), the router exits or the proxy stops: 0, or the router's exit code (1 for the proxy)."""
         while not self._stopping.wait(0.5):
             if self.router is not None and not self.router.alive():
                 log.error("the router exited with %s; %s:\n%s", self.router.proc.returncode, self.router.log_path,
                           self.router.tail())
                 return self.router.proc.returncode or 1
+            if self.proxy is not None and not self.proxy.alive():
+                log.error("the public proxy on %s:%d stopped (its error is logged above)", self.host, self.port)
+                return 1
         return 0
 
     def stop(self) -> None:
-        """The router first (nothing new arrives), then every replica drains and exits; idempotent."""
+        """The proxy and the router first (nothing new arrives), then every replica drains and exits;
+        idempotent."""
         self._stopping.set()
+        if self.proxy is not None:
+            self.proxy.stop(PROXY_STOP_TIMEOUT_S)
         if self.router is not None:
             self.router.stop(10)
         for p in self.replicas:
@@ -256,8 +288,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--state-dir", required=True,
                         help="shared by the replicas: sessions, stored responses and their KV (on a shared "
                              "filesystem across machines)")
-    parser.add_argument("--host", default="127.0.0.1", help="the router's")
-    parser.add_argument("--port", type=int, default=8000, help="the router's; replicas take the next ports")
+    parser.add_argument("--host", default="127.0.0.1", help="the public one (the proxy's; the router's is 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the public one; the replicas take the next ports, then the router's metrics, then "
+                             "the router itself (on 127.0.0.1)")
     parser.add_argument("--policy", choices=POLICIES, default="consistent_hash",
                         help="the router's: consistent_hash (X-Session-Id affinity), cache_aware (prefix "
                              "trees), round_robin")
@@ -265,6 +299,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     args, serve_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request the proxy forwards otherwise
     cluster = Cluster(args.replicas, args.state_dir, host=args.host, port=args.port, policy=args.policy,
                       threads=args.threads, serve_args=serve_args, startup_timeout=args.startup_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
