@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from agentkv.engine.sequence import Sequence, owner_of
 
 MODES = ("tool", "lru")
+# Tool names are the client's: past this many per tenant, the least recently
+# observed is forgotten (it pins for tool_ttl_default again), so no tenant can
+# grow the table without bound.
+MAX_TOOLS_PER_OWNER = 256
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,10 @@ class RetentionConfig:
 class Retention:
     def __init__(self, config: RetentionConfig | None = None):
         self.config = config or RetentionConfig()
-        # (owner, tool name) -> moving estimate of its pause: each tenant's
-        # tools are its own, so no tenant's pauses set another's pins.
-        self._pause_s: dict[tuple[str, str], float] = {}
-        self._observed: dict[tuple[str, str], int] = {}
+        # owner -> tool name -> [moving estimate of its pause, observations],
+        # least recently observed first: each tenant's tools are its own, so
+        # no tenant's pauses set another's pins.
+        self._tools: dict[str, OrderedDict[str, list]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -75,7 +80,8 @@ class Retention:
         """The pin for owner's session awaiting these tools (run together: the longest)."""
         c = self.config
         with self._lock:
-            pauses = [self._pause_s.get((owner, t), c.tool_ttl_default) for t in tools]
+            known = self._tools.get(owner, {})
+            pauses = [known[t][0] if t in known else c.tool_ttl_default for t in tools]
         return self._clamp(max(pauses, default=c.tool_ttl_default) * c.margin)
 
     def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
@@ -99,10 +105,12 @@ class Retention:
         a = self.config.smoothing
         owner = owner_of(seq.namespace)
         with self._lock:
+            known = self._tools.setdefault(owner, OrderedDict())
             for t in tools:
-                old = self._pause_s.get((owner, t))
-                self._pause_s[owner, t] = pause if old is None else (1 - a) * old + a * pause
-                self._observed[owner, t] = self._observed.get((owner, t), 0) + 1
+                old = known.pop(t, None)
+                known[t] = [pause, 1] if old is None else [(1 - a) * old[0] + a * pause, old[1] + 1]
+            while len(known) > MAX_TOOLS_PER_OWNER:
+                known.popitem(last=False)
 
     def eviction_key(self, seq: Sequence) -> tuple:
         """Sort key of offloadable sessions: the first gives way first."""
@@ -122,6 +130,5 @@ class Retention:
     def estimates(self, owner: str = "default") -> dict[str, dict]:
         """Per tool of owner's: the pause estimate (seconds), the pin it gives, observations."""
         with self._lock:
-            items = [(t, p) for (o, t), p in self._pause_s.items() if o == owner]
-            observed = {t: n for (o, t), n in self._observed.items() if o == owner}
-        return {t: {"pause_s": p, "pin_s": self.tool_ttl(owner, (t,)), "observed": observed[t]} for t, p in items}
+            items = [(t, p, n) for t, (p, n) in self._tools.get(owner, {}).items()]
+        return {t: {"pause_s": p, "pin_s": self.tool_ttl(owner, (t,)), "observed": n} for t, p, n in items}

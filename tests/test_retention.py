@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import Engine, InvalidRequestError
-from agentkv.engine.retention import Retention, RetentionConfig
+from agentkv.engine.retention import MAX_TOOLS_PER_OWNER, Retention, RetentionConfig
 from tests.test_kv_tier import PS, ckpt, ids, reference  # noqa: F401 (fixtures)
 
 
@@ -64,6 +64,27 @@ def test_each_tenant_learns_its_own_tools_pauses():
     r.end_turn(salted, ["search"])
     assert salted.pin_ttl == pytest.approx(50.0, abs=0.1)  # a cache salt is the same tenant
     assert r.estimates("alice") == {} and set(r.estimates("mallory")) == {"search"}
+
+
+def test_a_tenants_tool_names_are_bounded():
+    # Tool names are the client's: a tenant inventing new ones kept growing the
+    # table. Past MAX_TOOLS_PER_OWNER its least recently observed are forgotten.
+    r = Retention(RetentionConfig(tool_ttl_default=10.0, tool_ttl_floor=1.0, tool_ttl_cap=60.0, margin=1.0,
+                                  smoothing=1.0))
+    other = _Seq("alice")
+    r.end_turn(other, ["search"])
+    other.idle_since = time.monotonic() - 3.0
+    r.resumed(other, time.monotonic())
+    hostile = _Seq("mallory")
+    for i in range(MAX_TOOLS_PER_OWNER + 10):
+        r.end_turn(hostile, [f"tool{i}"])
+        hostile.idle_since = time.monotonic() - 20.0
+        r.resumed(hostile, time.monotonic())
+    known = r.estimates("mallory")
+    assert len(known) == MAX_TOOLS_PER_OWNER and "tool0" not in known and f"tool{MAX_TOOLS_PER_OWNER + 9}" in known
+    assert set(r.estimates("alice")) == {"search"}
+    r.end_turn(hostile, ["tool0"])
+    assert hostile.pin_ttl == 10.0  # forgotten: the default again
 
 
 def test_lru_mode_pins_nothing_and_learns_nothing():
