@@ -3,8 +3,8 @@ agents of three tenants run their jobs while a fourth tenant is hostile and
 the server is hurt, and every turn they complete must be the turn a run
 with no faults completes.
 
-    python -m agentkv.experiments.soak            # 32 agents, 4 tenants (10+ minutes on 2 cores)
-    python -m agentkv.experiments.soak --short    # the CI form (tests/test_soak_smoke.py)
+    python -m agentkv.experiments.soak            # 32 agents, 4 turns each, 4 tenants (10+ minutes on 2 cores)
+    python -m agentkv.experiments.soak --short    # the CI form (tests/test_soak_smoke.py): 6 agents, 2 turns
 
 Three phases, each on a fresh server with the same flags (API keys for four
 tenants, a state directory, a KV pool at --kv-fraction of the agents'
@@ -54,7 +54,7 @@ from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, t
 from agentkv.experiments.workloads.agent_runs import AgentRecord, Client, Pauses, Reply, p90, records_json, run_all
 from agentkv.experiments.workloads.agent_workload import AgentWorkload
 from agentkv.experiments.workloads.hostile import HostileTenant
-from agentkv.model.default import DEFAULT_MODEL_DIR, SMALL_MODEL_DIR
+from agentkv.model.default import SMALL_MODEL_DIR
 from agentkv.model.tokenizer import Tokenizer
 
 MODEL = "soak"
@@ -366,8 +366,12 @@ def compare(reference: list[AgentRecord], other: list[AgentRecord]) -> dict:
 
 
 def flags_for(args: argparse.Namespace, work: AgentWorkload, out: Path) -> tuple[list[str], dict]:
-    token_bytes = kv_bytes_per_token(model_config(args.model), "float32")
+    cfg = model_config(args.model)
+    token_bytes = kv_bytes_per_token(cfg, "float32")
     budget = work.budget(Tokenizer.from_dir(args.model), args.kv_fraction, UNIT)
+    if budget["longest_request_tokens"] > cfg.max_position_embeddings:
+        raise SystemExit(f"the agents' longest request ({budget['longest_request_tokens']} tokens) passes the model's "
+                         f"context ({cfg.max_position_embeddings}): fewer turns per agent")
     pool = budget["tokens"] * token_bytes
     disk = max(UNIT, int(budget["working_set_tokens"] * args.disk_fraction)) * token_bytes
     keys = out / "keys.txt"
@@ -400,7 +404,7 @@ HEADERS = ["phase", "turns done", "lost", "altered", "errors", "5xx (them)", "5x
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--short", action="store_true", help="the CI form: 6 agents, 2 turns, the small model")
+    p.add_argument("--short", action="store_true", help="the CI form: 6 agents, 2 turns, short replies and pauses")
     p.add_argument("--agents", type=int, default=32)
     p.add_argument("--turns-per-agent", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48)
@@ -409,7 +413,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--disk-fraction", type=float, default=0.05,
                    help="the disk tier's cap over the working set (small: it fills)")
     p.add_argument("--tenant-max-sessions", type=int, default=64)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--model", type=Path, default=SMALL_MODEL_DIR,
+                   help="default: the 8M model, whose 16k context holds the agents' longest turns (the 135M "
+                        "default model's 8k does not past their first turn); what is soaked is the server")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.short:
         args.agents, args.turns_per_agent, args.max_tokens, args.pause_scale = 6, 2, 8, 0.05
-        args.model, args.kv_fraction = SMALL_MODEL_DIR, 0.5
+        args.kv_fraction = 0.5
     out = run_dir("soak", args.out)
     args.model = hf_checkpoint(args.model, "float32")
     work = AgentWorkload("generated", args.agents, args.turns_per_agent, args.seed, args.max_tokens,
