@@ -44,6 +44,8 @@ _EXPORTS = {
     "IncrementalDecoder": "agentkv.model.tokenizer",
     "ToolCallFormat": "agentkv.model.tool_calls",
     "tool_choice_error": "agentkv.model.tool_calls",
+    # A front end's saved records are made durable as the KV tier's files are.
+    "fsync_dir": "agentkv.cache.kv_disk",
 }
 
 __all__ = list(_EXPORTS)

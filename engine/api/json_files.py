@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from agentkv.cache.kv_disk import fsync_dir
+from agentkv.engine import fsync_dir
 
 log = logging.getLogger("agentkv.state")
 
