@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Iterable
 
 from agentkv.cache.block_table import BlockTable
@@ -139,15 +140,18 @@ class KVPolicy:
         in value order."""
         r = self.retention
         by_value = sorted(pinned, key=lambda s: self.bring_back_s(s) / max(r.expected_back(s) - now, MIN_WAIT_S))
-        held: dict[str, int] = {}
+        # Each owner's pinned pages, a page its sessions share (forks, copy-on-write) counted once.
+        held: dict[str, Counter[int]] = {}
         for s in pinned:
-            held[owner_of(s.namespace)] = held.get(owner_of(s.namespace), 0) + len(s.table.pages)
+            held.setdefault(owner_of(s.namespace), Counter()).update(s.table.pages)
         share = self.pool.num_pages // max(1, len(held))
         excess, within = [], []
         for s in by_value:
-            owner = owner_of(s.namespace)
-            if held[owner] > share:
-                held[owner] -= len(s.table.pages)
+            pages = held[owner_of(s.namespace)]
+            if len(pages) > share:
+                pages.subtract(s.table.pages)
+                for page in [p for p in s.table.pages if pages[p] <= 0]:
+                    del pages[page]
                 excess.append(s)
             else:
                 within.append(s)

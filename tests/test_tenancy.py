@@ -307,6 +307,24 @@ def test_the_server_session_cap_never_closes_another_tenants_session():
         assert c.get("/v1/sessions/a3", headers=auth(KEY_A)).json() == held["a3"]
 
 
+def test_one_tenants_pins_never_make_another_tenants_request_fail():
+    # Issue 42: alpha retaining sessions that filled the pool made bravo's
+    # plain request a 503 (KV cache out of capacity). Pins are finite and
+    # give way to running work; alpha's sessions keep their history.
+    engine = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=40, kv_offload_bytes=0)
+    with TestClient(create_app(engine, MODEL, keys=ApiKeys(KEYS))) as c:
+        held = {}
+        for name in ("p1", "p2", "p3"):
+            chat(c, KEY_A, name + LONG, session_id=name)  # nothing shared: 13 pages each
+            assert c.post(f"/v1/sessions/{name}/retain", json={"seconds": 600}, headers=auth(KEY_A)).status_code == 200
+            held[name] = c.get(f"/v1/sessions/{name}", headers=auth(KEY_A)).json()["length"]
+        assert engine.pool.num_free < 13  # bravo's prompt needs more than what is free
+        chat(c, KEY_B, "bravo" + LONG)
+        for name, length in held.items():
+            assert c.get(f"/v1/sessions/{name}", headers=auth(KEY_A)).json()["length"] == length
+        chat(c, KEY_A, "p1" + LONG, session_id="p1")  # a pin that gave way comes back by recompute
+
+
 def test_response_quota_is_429_for_stored_responses_only(quota_client):
     c = quota_client
     body = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 2}
