@@ -52,3 +52,17 @@ def test_generated_agents(tmp_path, capsys):
     rows = check_rows(res, 6)
     # Same replies on every system (greedy, fp32), so the same prompts.
     assert len({r["prompt_tokens"] for r in rows.values()}) == 1
+
+
+def test_full_sweeps_every_cell(tmp_path, monkeypatch):
+    # --full runs the grid of agents x pool fractions (8/16/32 x 30/50/100%); here a small grid.
+    monkeypatch.setattr(demo, "FULL_AGENTS", (2,))
+    monkeypatch.setattr(demo, "FULL_FRACTIONS", (0.6, 1.0))
+    res = demo.main(["--workload", "generated", "--full", "--turns-per-agent", "1", "--max-tokens", "4",
+                     "--pause-scale", "0", "--systems", "stateful,block-hash", "--out", str(tmp_path)])
+    assert [(c["agents"], c["fraction"]) for c in res["cells"]] == [(2, 0.6), (2, 1.0)]
+    for cell in res["cells"]:
+        assert [r["system"] for r in cell["rows"]] == ["stateful", "block-hash"]
+        assert all(r["completed_turns"] == r["planned_turns"] == 2 for r in cell["rows"])
+        assert (tmp_path / f"timeline-2-{cell['fraction']:g}.png").stat().st_size > 0
+    assert res["cells"][0]["tokens"] < res["cells"][1]["tokens"]

@@ -2,7 +2,8 @@
 pausing while its tools run, with a KV pool that holds only part of their
 working set: the regime where keeping an agent's KV across its tool pause
 matters. Three ways to serve it, in-process, same model, the same KV
-memory in all (on a CPU a host tier would be the same RAM, so none has one):
+memory in all (on a CPU a host tier would be the same RAM, so none has one),
+and with --peers vllm vLLM's own server on the same weights and KV tokens:
 
 - stateful: a session per agent, retention="tool" (a session whose turn
   ended on a tool call keeps its KV pinned for the pause its tool usually
@@ -29,6 +30,7 @@ With --shape 6|35|interleaved: the earlier teacher-forced replay of one
 workflow turn by turn, stateful vs stateless, a row per turn.
 
     python serve.py demo [--agents 8] [--turns-per-agent 2] [--pause-scale 1] [--kv-fraction 0.3] [--out DIR]
+    python serve.py demo --full [--peers vllm]   # 8/16/32 agents x KV 30/50/100%, vLLM's server beside
     python serve.py demo --workload generated [--agents 6] [--turns-per-agent 3]
     python serve.py demo --shape 6|35|interleaved [--seed 0] [--model PATH]
 """
@@ -37,11 +39,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 from agentkv import Engine
+from agentkv.experiments.benchmarks.bench_agents import (BLOCK, delta, hf_checkpoint, http_client, model_config,
+                                                          start_vllm, warm_up)
 from agentkv.experiments.common import median, parse_systems, run_dir
+from agentkv.experiments.drivers.vllm import vllm_status
 from agentkv.experiments.drivers.replay import prepare_requests, workflow
 from agentkv.experiments.report import WandbRun, publish, table, write_json
 from agentkv.experiments.timeline import plot_timelines
@@ -50,8 +56,12 @@ from agentkv.experiments.workloads.agent_workload import KINDS, AgentWorkload
 from agentkv.experiments.workloads.workflows import Workflow, interleaved_run
 from agentkv.kernels.cpu_extension import isa
 from agentkv.kernels.dispatch import build_cpu_kernels
+from agentkv.model.default import default_model_dir
 
 SYSTEMS = ("stateful", "stateless", "block-hash")
+PEERS = ("vllm",)
+# --full: the whole sweep (agents x the pool over their working set).
+FULL_AGENTS, FULL_FRACTIONS = (8, 16, 32), (0.3, 0.5, 1.0)
 # Stateless re-prefills every prompt: on BFCL's agents (4k-token function docs)
 # it takes six minutes of a 2-core CPU where the others take one; ask for it.
 DEFAULT_SYSTEMS = ("stateful", "block-hash")
@@ -79,14 +89,16 @@ def system_engine(system: str, base: Engine, kv_bytes: int) -> Engine:
     return Engine(base.model, base.tokenizer, kv_cache_bytes=kv_bytes, kv_offload_bytes=0, **kwargs)
 
 
-def agents_run(args: argparse.Namespace) -> dict:
-    base = Engine.from_pretrained(args.model, dtype=args.dtype, num_pages=1)  # the model and tokenizer; each system gets its own pool
+def agents_run(args: argparse.Namespace, base: Engine, n_agents: int, fraction: float, out: Path) -> dict:
+    """One cell: n_agents at a KV pool of `fraction` of their working set, each system in turn."""
     token_bytes = base.pool.token_bytes
+    vllm = "vllm" in args.peers
     try:
-        work = AgentWorkload(args.workload, args.agents, args.turns_per_agent, args.seed, args.max_tokens,
+        work = AgentWorkload(args.workload, n_agents, args.turns_per_agent, args.seed, args.max_tokens,
                              Pauses(args.seed, args.pause_scale), args.max_steps,
                              tuple(args.roles.split(",")) if args.roles else None)
-        budget = work.budget(base.tokenizer, args.kv_fraction, base.pool.page_size)
+        # With vLLM beside, budgets are whole vLLM blocks so that it gets the same KV tokens.
+        budget = work.budget(base.tokenizer, fraction, BLOCK if vllm else base.pool.page_size)
     except ValueError as e:
         raise SystemExit(str(e)) from None
     rows, records = [], {}
@@ -106,8 +118,39 @@ def agents_run(args: argparse.Namespace) -> dict:
                      "computed_tokens": int(totals.get("computed_tokens", 0)),
                      "restored_tokens": int(totals.get("restored_tokens", 0)),
                      "preemptions": engine.scheduler.counters.preemptions})
-    return {"workload": args.workload, "what": work.what, "agents": args.agents, **budget, "pause_scale": args.pause_scale,
-            "config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows, "records": records}
+    if vllm:
+        row, recs = vllm_run(args, work, budget, token_bytes, out / f"vllm-{n_agents}-{fraction:g}.log")
+        rows.append(row)
+        records["vllm"] = recs
+    return {"workload": args.workload, "what": work.what, "agents": n_agents, "fraction": fraction, **budget,
+            "pause_scale": args.pause_scale, "config": {k: v for k, v in vars(args).items() if k != "out"},
+            "rows": rows, "records": records}
+
+
+def vllm_run(args: argparse.Namespace, work: AgentWorkload, budget: dict, token_bytes: int,
+             log: Path) -> tuple[dict, list[dict]]:
+    """vLLM's own OpenAI server (prefix caching on) on the same weights,
+    exported once to an HF checkpoint, with the same KV tokens, over HTTP."""
+    model = hf_checkpoint(Path(args.model) if args.model else default_model_dir(), args.dtype)
+    server_args = argparse.Namespace(model=model, threads=args.threads, dtype=args.dtype,
+                                     max_num_batched_tokens=args.max_num_batched_tokens)
+    cfg = model_config(model)
+    server = start_vllm(server_args, {**budget, "token_bytes": token_bytes,
+                                      "max_model_len": min(budget["tokens"], cfg.max_position_embeddings)}, log)
+    try:
+        warm_up(server.base_url)
+        before = server.metrics()
+        with tqdm(desc="vllm", unit="request") as bar:
+            recs, wall = run_all(work.jobs(http_client(server.base_url, False, "demo"), bar.update))
+        counters = delta(before, server.metrics())
+    finally:
+        server.stop()
+    summary = summarize(recs, wall)
+    cached = counters["vllm_cached_tokens"]
+    return ({"system": "vllm", **summary, "kv_bytes": budget["tokens"] // BLOCK * BLOCK * token_bytes,
+             "host_tier_bytes": 0,
+             "computed_tokens": int(counters["prompt_tokens_server"] - cached) if cached is not None else None,
+             "restored_tokens": 0, "preemptions": int(counters["preemptions"] or 0)}, records_json(recs))
 
 
 def agents_report(res: dict) -> str:
@@ -119,6 +162,9 @@ def agents_report(res: dict) -> str:
             f"once), and no host tier beside it (on a CPU a tier is the same RAM as the pool).\n"
             f"Tool pauses: seeded log-normals per tool, 0.2-20 s x{res['pause_scale']} "
             f"({pauses:.0f} s in all in the first system's run).")
+    if any(r["system"] == "vllm" for r in res["rows"]):
+        head += ("\nvllm: vLLM's own OpenAI server (prefix caching on) on the same weights exported to an HF "
+                 "checkpoint, the same KV tokens (whole blocks of 128), over HTTP; the others run in-process.")
     checked = res["rows"][0]["jobs_checked"]
     body = [[r["system"], f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", r["requests"],
              len(r["errors"]), f"{r['jobs_passed']}/{checked}" if checked else "-", r["job_s_median"], r["job_s_p90"],
@@ -199,8 +245,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16, or auto (the checkpoint's own where the CPU computes in it)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the whole sweep: {'/'.join(map(str, FULL_AGENTS))} agents x a pool of "
+                        f"{'/'.join(f'{f:.0%}' for f in FULL_FRACTIONS)} of their working set (an hour or more)")
+    p.add_argument("--peers", default="", help="vllm: vLLM's own server beside, on the same weights and KV tokens, "
+                                              "when its venv exists (bash experiments/drivers/peers/setup_vllm.sh)")
+    p.add_argument("--threads", type=int, default=2, help="a peer server's OMP_NUM_THREADS")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="a peer server's tokens per step")
     p.add_argument("--out", default=None, help="the run's folder (default runs/demo-<time>)")
     args = p.parse_args(argv)
+    args.peers = parse_systems(args.peers, PEERS) if args.peers else []
     out = run_dir("demo", args.out)
     started = time.perf_counter()
     failed = build_cpu_kernels()  # before any clock starts: a first-use compile is no system's time
@@ -211,15 +265,23 @@ def main(argv: list[str] | None = None) -> dict:
         print_replay(rows)
         write_json(out / "results.json", {"shape": args.shape, "rows": rows})
         return {"shape": args.shape, "rows": rows}
-    res = agents_run(args)
-    summary = {f"{r['system']}/{k}": r[k] for r in res["rows"]
+    if "vllm" in args.peers and (why := vllm_status()):
+        print(f"vLLM skipped: {why}")
+        args.peers = [p for p in args.peers if p != "vllm"]
+    base = Engine.from_pretrained(args.model, dtype=args.dtype, num_pages=1)  # the model and tokenizer; each system gets its own pool
+    cells = [(n, f) for n in FULL_AGENTS for f in FULL_FRACTIONS] if args.full else [(args.agents, args.kv_fraction)]
+    runs = [agents_run(args, base, n, f, out) for n, f in cells]
+    res = runs[0] if len(runs) == 1 else {"config": runs[0]["config"], "cells": runs}
+    summary = {f"{c['agents']}/{c['fraction']:g}/{r['system']}/{k}": r[k] for c in runs for r in c["rows"]
                for k in ("job_s_median", "job_s_p90", "turn_s_p90", "computed_tokens", "jobs_passed")}
-    publish(out, res, agents_report(res), plots={"timeline.png": lambda r, path: plot_timelines(r["records"], path)},
-            wandb=WandbRun("demo", res["config"], summary, tables={"systems": (
-                list(res["rows"][0]), [[json.dumps(v) if isinstance(v, list) else v for v in r.values()]
-                                       for r in res["rows"]])}))
+    plots = {(f"timeline-{c['agents']}-{c['fraction']:g}.png" if args.full else "timeline.png"):
+             (lambda _, path, c=c: plot_timelines(c["records"], path)) for c in runs}
+    columns = ["agents", "kv_fraction", *runs[0]["rows"][0]]
+    rows = [[c["agents"], c["fraction"], *(json.dumps(v) if isinstance(v, list) else v for v in r.values())]
+            for c in runs for r in c["rows"]]
+    publish(out, res, "\n\n".join(agents_report(c) for c in runs), plots=plots,
+            wandb=WandbRun("demo", runs[0]["config"], summary, tables={"systems": (columns, rows)}))
     return res
-
 
 if __name__ == "__main__":
     main()
