@@ -3,7 +3,7 @@ agents of three tenants run their jobs while a fourth tenant is hostile and
 the server is hurt, and every turn they complete must be the turn a run
 with no faults completes.
 
-    python -m agentkv.experiments.soak            # 32 agents, 4 turns each, 4 tenants (10+ minutes on 2 cores)
+    python -m agentkv.experiments.soak            # 32 agents, 6 turns each, 4 tenants (10+ minutes on 2 cores)
     python -m agentkv.experiments.soak --short    # the CI form (tests/test_soak_smoke.py): 6 agents, 2 turns
 
 Three phases, each on a fresh server with the same flags (API keys for four
@@ -380,7 +380,9 @@ def flags_for(args: argparse.Namespace, work: AgentWorkload, out: Path) -> tuple
              "--kv-cache-gb", repr(pool / 2**30), "--kv-offload-gb", repr(pool / 2**30),
              "--kv-offload-disk-gb", repr(disk / 2**30), "--max-request-bytes", str(MAX_REQUEST_BYTES),
              "--max-retain-seconds", str(RETAIN_S), "--tenant-max-sessions", str(args.tenant_max_sessions),
-             "--tenant-max-concurrent", "8"]
+             # A well-behaved tenant's agents all in flight at once stay within its quota; the hostile one's
+             # few threads are far below it: what it may do is what any tenant may.
+             "--tenant-max-concurrent", str(-(-args.agents // len(TENANTS)) + 2)]
     return flags, {**budget, "token_bytes": token_bytes, "pool_bytes": pool, "host_tier_bytes": pool, "disk_bytes": disk}
 
 
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--short", action="store_true", help="the CI form: 6 agents, 2 turns, short replies and pauses")
     p.add_argument("--agents", type=int, default=32)
-    p.add_argument("--turns-per-agent", type=int, default=4)
+    p.add_argument("--turns-per-agent", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--pause-scale", type=float, default=1.0)
     p.add_argument("--kv-fraction", type=float, default=1 / 3, help="the pool over the agents' working set")
