@@ -27,6 +27,7 @@ class TurnStats:
     forced_tokens: int = 0  # of the drafted, what the grammar forced (jump-forward)
     forced_accepted: int = 0  # of those, accepted
     verify_steps: int = 0  # decode steps that verified a draft
+    native_turns: int = 0  # 1 for a chat turn whose messages matched the session's log (engine.turn)
 
     @property
     def total_s(self) -> float:

@@ -171,6 +171,7 @@ class Turn:
             budget = max_tokens(prompt_len) if callable(max_tokens) else max_tokens
             work.truncate(planned.reused)
             work.queue(planned.ids)
+            work.turn.native_turns = int(planned.native)
             req = work.start_generate(max_tokens=budget, grammar=grammar, on_tokens=on_tokens, on_done=on_done,
                                       **sampling)
         except BaseException:

@@ -58,8 +58,8 @@ def test_full_sweeps_every_cell(tmp_path, monkeypatch):
     # --full runs the grid of agents x pool fractions (8/16/32 x 30/50/100%); here a small grid.
     monkeypatch.setattr(demo, "FULL_AGENTS", (2,))
     monkeypatch.setattr(demo, "FULL_FRACTIONS", (0.6, 1.0))
-    res = demo.main(["--workload", "generated", "--full", "--turns-per-agent", "1", "--max-tokens", "4",
-                     "--pause-scale", "0", "--systems", "stateful,block-hash", "--out", str(tmp_path)])
+    res = demo.main(["--model", str(SMALL_MODEL_DIR), "--workload", "generated", "--full", "--turns-per-agent", "1",
+                     "--max-tokens", "4", "--pause-scale", "0", "--systems", "stateful,block-hash", "--out", str(tmp_path)])
     assert [(c["agents"], c["fraction"]) for c in res["cells"]] == [(2, 0.6), (2, 1.0)]
     for cell in res["cells"]:
         assert [r["system"] for r in cell["rows"]] == ["stateful", "block-hash"]

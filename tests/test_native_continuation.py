@@ -276,3 +276,55 @@ def test_a_reply_without_tools_offered_stays_text_and_continues_natively(engines
             assert u["native"] and u["cached_tokens"] >= first.usage["prompt_tokens"] + len(first.token_ids) - 1
             return
     pytest.fail("the embedded model wrote no <tool_call> without tools for any city: the case is untested")
+
+
+def native_turns(client: TestClient) -> int:
+    line = next(x for x in client.get("/metrics").text.splitlines() if x.startswith("agentkv_native_turns_total "))
+    return int(line.split()[1])
+
+
+def chat_over_http(client: TestClient, body: dict, stream: bool) -> tuple[dict, dict]:
+    """The reply's message as an OpenAI client rebuilds it, and the usage."""
+    if not stream:
+        r = client.post("/v1/chat/completions", json=body).json()
+        return {k: v for k, v in r["choices"][0]["message"].items() if v is not None}, r["usage"]
+    text, usage = "", None
+    with client.stream("POST", "/v1/chat/completions",
+                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: "):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    assert not choice["delta"].get("tool_calls"), "calls parsed though no tools were offered"
+                    text += choice["delta"].get("content") or ""
+    return {"role": "assistant", "content": text}, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_tool_calls_without_tools_keep_every_held_token_over_http(engines, stream):
+    # The client's echo of a reply holding complete <tool_call>...</tool_call>
+    # text (no tools offered) must match the message log; at temperature 1 the
+    # sampled tokens are often not the tokenizer's own spelling, so a fallback
+    # to re-rendering would recompute part of every such reply.
+    engine = engines["native"]
+    complete = 0
+    with TestClient(create_app(engine, "agentkv-native")) as client:
+        natives = native_turns(client)
+        messages = [{"role": "system", "content": "You can call tools by writing <tool_call>{json}</tool_call>."},
+                    {"role": "user", "content": 'Call get_weather with city="Oslo" now.'}]
+        held = None
+        for t in range(4):
+            message, usage = chat_over_http(client, {
+                "model": "agentkv-native", "messages": messages, "max_tokens": 160, "temperature": 1.0,
+                "seed": t, "session_id": f"no-tools-{stream}"}, stream)
+            if held is not None:
+                # Every token the session held, all but the last sampled one (its KV is computed now).
+                assert usage["prompt_tokens_details"]["cached_tokens"] == held - 1
+            held = usage["total_tokens"]
+            complete += "</tool_call>" in message["content"]
+            messages += [message, {"role": "user", "content": "Go on."}]
+        # Not re-rendered either (where sampling spelled a reply as the tokenizer would, a
+        # re-render would keep every token too): each turn after the first matched the log.
+        assert native_turns(client) - natives == 3
+    assert complete >= 2, "the embedded model wrote too few complete <tool_call> texts: the case is untested"

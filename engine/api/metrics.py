@@ -32,6 +32,8 @@ TOKEN_COUNTERS = {
     "generated_tokens": ("agentkv_generated_tokens_total", "Tokens generated."),
     "drafted_tokens": ("agentkv_spec_drafted_tokens_total", "Speculative draft tokens verified."),
     "accepted_tokens": ("agentkv_spec_accepted_tokens_total", "Speculative draft tokens accepted."),
+    "native_turns": ("agentkv_native_turns_total",
+                     "Chat turns continued natively: the session's message log matched, only new messages computed."),
 }
 
 
