@@ -79,6 +79,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_durably(path: Path, data: bytes, tmp: Path) -> os.stat_result:
+    """Replace path's content with data so that a kill -9 or a crash leaves
+    the old file or the new one: written to tmp (a name no other writer of
+    the folder uses), fsynced, renamed over path, the folder fsynced. On an
+    error tmp is removed and the error raised. Returns the new file's stat."""
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            st = os.fstat(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a name never reused: left, it would stay for good
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return st
+
+
 class KVDisk:
     def __init__(self, root: str | Path, identity: dict):
         self.root, self.identity = Path(root), identity
@@ -127,13 +147,9 @@ class KVDisk:
         manifest_id = self._new_name()
         try:
             self._make(folder)
-            tmp.write_text(json.dumps({**manifest, "id": manifest_id, "identity": self.identity}))
-            _fsync(tmp)
-            os.replace(tmp, folder / MANIFEST)
-            fsync_dir(folder)
+            replace_durably(folder / MANIFEST,
+                            json.dumps({**manifest, "id": manifest_id, "identity": self.identity}).encode(), tmp)
         except OSError as err:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise DiskWriteError(f"cannot write {key}/{MANIFEST}: {err}") from err
         self._sweep(folder, {p["file"] for p in manifest["pieces"]})
         return manifest_id

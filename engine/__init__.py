@@ -46,6 +46,7 @@ _EXPORTS = {
     "tool_choice_error": "agentkv.model.tool_calls",
     # A front end's saved records are made durable as the KV tier's files are.
     "fsync_dir": "agentkv.cache.kv_disk",
+    "replace_durably": "agentkv.cache.kv_disk",
 }
 
 __all__ = list(_EXPORTS)

@@ -9,7 +9,6 @@ replica) can tell cheaply whether another has written a record since it
 last read or wrote it."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from agentkv.engine import fsync_dir
+from agentkv.engine import fsync_dir, replace_durably
 
 log = logging.getLogger("agentkv.state")
 
@@ -38,18 +37,7 @@ class JsonFiles:
         # Writers of one record at once (replicas sharing the folder, on this machine or another, or
         # threads here) each write a temporary file of their own: a pid alone repeats across machines.
         tmp = path.with_suffix(f".json.{os.getpid()}-{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "w") as f:
-                json.dump({"version": VERSION, **body}, f)
-                f.flush()
-                os.fsync(f.fileno())
-                st = os.fstat(f.fileno())
-            os.replace(tmp, path)
-        except Exception:
-            with contextlib.suppress(OSError):  # a name never reused: left, it would stay for good
-                tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.root)
+        st = replace_durably(path, json.dumps({"version": VERSION, **body}).encode(), tmp)
         return st.st_ino, st.st_size, st.st_mtime_ns
 
     def stamp(self, name: str) -> Stamp | None:
