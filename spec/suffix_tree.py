@@ -20,6 +20,13 @@ to the most frequent child, this walks to the child seen most recently
 (prompt lookup's choice): on the agent model's tool calls, which copy the
 latest id or path rather than the commonest, that accepts more (measured in
 docs/bench_spec.md); the frequencies still estimate, score and stop the draft.
+
+Nodes are ids into parallel lists of ints, and a node's children a dict of
+token -> id: objects the garbage collector does not track. As one object
+per node, with parent links and child dicts, a server's trees (millions of
+nodes) were walked whole by every full collection; in a 12-agent run that
+made indexing a turn's tokens cost ~60 us a token, ~20% of the scheduler's
+time, against ~12 us with nothing for the collector to walk.
 """
 from __future__ import annotations
 
@@ -27,17 +34,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-
-class _Node:
-    __slots__ = ("token", "count", "parent", "children", "stamp", "ref")
-
-    def __init__(self, token: int, parent: "_Node | None"):
-        self.token, self.parent = token, parent
-        self.count = 0
-        self.children: dict[int, _Node] | None = None
-        # When and in which sequence this substring was last appended.
-        self.stamp = 0
-        self.ref: Hashable = None
+ROOT = 0  # the empty substring's node
 
 
 @dataclass
@@ -54,9 +51,18 @@ class SuffixTree:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.max_depth = max_depth
-        self._root = _Node(-1, None)
+        # Node i: its token, count (occurrences of its substring), parent,
+        # children (token -> node, None without any), and when and in which
+        # sequence its substring was last appended. Ids of removed nodes are reused.
+        self._token: list[int] = [-1]
+        self._count: list[int] = [0]
+        self._parent: list[int] = [-1]
+        self._kids: list[dict[int, int] | None] = [None]
+        self._stamp: list[int] = [0]
+        self._ref: list[Hashable] = [None]
+        self._free: list[int] = []
         self._seqs: dict[Hashable, list[int]] = {}
-        self._active: dict[Hashable, list[_Node]] = {}  # [d - 1]: the suffix of length d
+        self._active: dict[Hashable, list[int]] = {}  # [d - 1]: the node of the suffix of length d
         self._clock = itertools.count(1)
         self.num_nodes = 0
         self.num_tokens = 0
@@ -75,47 +81,73 @@ class SuffixTree:
         """Append tokens to the sequence under key (a new one if absent)."""
         seq = self._seqs.setdefault(key, [])
         active = self._active.setdefault(key, [])
+        token_of, count, parent, kids = self._token, self._count, self._parent, self._kids
+        stamps, refs, free = self._stamp, self._ref, self._free
+        longest = self.max_depth - 1
+        created = 0
         for token in tokens:
             stamp = next(self._clock)
             new = []
             # The root extends to the suffix of length 1; the longest active
             # suffix stops growing at max_depth.
-            for node in itertools.chain((self._root,), active[: self.max_depth - 1]):
-                children = node.children
-                if children is None:
-                    children = node.children = {}
-                child = children.get(token)
+            for node in (ROOT, *active[:longest]):
+                children = kids[node]
+                child = children.get(token) if children is not None else None
                 if child is None:
-                    child = children[token] = _Node(token, node)
-                    self.num_nodes += 1
-                child.count += 1
-                child.stamp, child.ref = stamp, key
+                    if free:
+                        child = free.pop()
+                        token_of[child], count[child], parent[child] = token, 1, node
+                        stamps[child], refs[child] = stamp, key
+                    else:
+                        child = len(token_of)
+                        token_of.append(token)
+                        count.append(1)
+                        parent.append(node)
+                        kids.append(None)
+                        stamps.append(stamp)
+                        refs.append(key)
+                    if children is None:
+                        kids[node] = {token: child}
+                    else:
+                        children[token] = child
+                    created += 1
+                else:
+                    count[child] += 1
+                    stamps[child], refs[child] = stamp, key
                 new.append(child)
             active[:] = new
-            seq.append(token)
-            self.num_tokens += 1
+        seq.extend(tokens)
+        self.num_tokens += len(tokens)
+        self.num_nodes += created
+
+    def _unlink(self, node: int) -> None:
+        """Remove node, a leaf, from its parent's children; its id is free."""
+        p = self._parent[node]
+        children = self._kids[p]
+        del children[self._token[node]]
+        if not children:
+            self._kids[p] = None
+        self._ref[node] = None
+        self._free.append(node)
+        self.num_nodes -= 1
 
     def truncate(self, key: Hashable, n: int) -> None:
         """Keep the first n tokens of the sequence under key."""
         seq = self._seqs[key]
         if not 0 <= n <= len(seq):
             raise ValueError(f"cannot truncate a sequence of {len(seq)} tokens to {n}")
-        active = self._active[key]
+        active, count, parent = self._active[key], self._count, self._parent
         while len(seq) > n:
             for node in active:
-                node.count -= 1
-                if node.count == 0:
+                count[node] -= 1
+                if count[node] == 0:
                     # Its only occurrence ended here: nothing extends it, it is a leaf.
-                    parent = node.parent
-                    del parent.children[node.token]
-                    if not parent.children:
-                        parent.children = None
-                    self.num_nodes -= 1
+                    self._unlink(node)
             seq.pop()
             self.num_tokens -= 1
             # The suffix of length d + 1 ending at the removed token has as
             # parent the suffix of length d ending one token earlier.
-            active[:] = [node.parent for node in active[1:]]
+            active[:] = [parent[node] for node in active[1:]]
             if len(seq) >= self.max_depth:
                 active.append(self._find(seq[len(seq) - self.max_depth :]))
 
@@ -126,21 +158,22 @@ class SuffixTree:
         seq = self._seqs[key]
         if not 0 <= n <= len(seq):
             raise ValueError(f"cannot drop {n} tokens from a sequence of {len(seq)}")
+        count, kids = self._count, self._kids
         for start in range(n):
             path = seq[start : start + self.max_depth]
-            node = self._root
-            for depth, token in enumerate(path, 1):
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
+            node = ROOT
+            for depth, token in enumerate(path):
+                node = kids[node][token]
+                count[node] -= 1
+                if count[node] == 0:
                     # This was its last occurrence, and so of the rest of the
-                    # path below it, which nothing else reaches.
-                    del node.children[token]
-                    if not node.children:
-                        node.children = None
-                    self.num_nodes -= len(path) - depth + 1
+                    # path below it, which nothing else reaches: leaves first.
+                    chain = [node]
+                    for t in path[depth + 1 :]:
+                        chain.append(kids[chain[-1]][t])
+                    for dead in reversed(chain):
+                        self._unlink(dead)
                     break
-                node = child
         # Suffixes reaching into the dropped tokens are no longer held.
         del self._active[key][len(seq) - n :]
         del seq[:n]
@@ -156,19 +189,20 @@ class SuffixTree:
         if len(pattern) > self.max_depth:
             raise ValueError(f"patterns are at most {self.max_depth} tokens, got {len(pattern)}")
         node = self._find(pattern)
-        return self.num_tokens if node is self._root else (node.count if node is not None else 0)
+        return self.num_tokens if node == ROOT else (self._count[node] if node is not None else 0)
 
     def continuations(self, pattern: Sequence[int]) -> dict[int, int]:
         """Token -> how often it follows pattern (within the depth bound)."""
         node = self._find(pattern)
-        if node is None or node.children is None:
+        children = self._kids[node] if node is not None else None
+        if not children:
             return {}
-        return {t: c.count for t, c in node.children.items()}
+        return {t: self._count[c] for t, c in children.items()}
 
-    def _find(self, pattern: Sequence[int]) -> _Node | None:
-        node = self._root
+    def _find(self, pattern: Sequence[int]) -> int | None:
+        node, kids = ROOT, self._kids
         for token in pattern:
-            children = node.children
+            children = kids[node]
             node = children.get(token) if children is not None else None
             if node is None:
                 return None
@@ -194,12 +228,12 @@ class SuffixTree:
         out of the first step's odds."""
         return self._best(self._active[key], max_tokens, max_factor, min_prob, 1, newest)
 
-    def _best(self, nodes: list[_Node], max_tokens: int, max_factor: float, min_prob: float, discount: int,
+    def _best(self, nodes: list[int], max_tokens: int, max_factor: float, min_prob: float, discount: int,
               newest: bool) -> Draft:
         # nodes[m - 1]: the node of the pattern's last m tokens.
         best = Draft()
         for m, node in enumerate(nodes, 1):
-            if node.children is None:
+            if self._kids[node] is None:
                 continue
             draft = self._walk(node, min(max_tokens, int(m * max_factor + 1e-6)), min_prob, discount, newest)
             if draft.tokens and draft.score >= best.score:
@@ -207,19 +241,19 @@ class SuffixTree:
                 best = draft
         return best
 
-    @staticmethod
-    def _walk(node: _Node, limit: int, min_prob: float, discount: int, newest: bool) -> Draft:
+    def _walk(self, node: int, limit: int, min_prob: float, discount: int, newest: bool) -> Draft:
         draft, prob = Draft(), 1.0
-        rank = (lambda c: c.stamp) if newest else (lambda c: (c.count, c.stamp))
-        while len(draft.tokens) < limit and node.children:
-            child = max(node.children.values(), key=rank)
-            p = prob * child.count / (node.count - discount)
+        count, stamps, kids = self._count, self._stamp, self._kids
+        rank = stamps.__getitem__ if newest else (lambda c: (count[c], stamps[c]))
+        while len(draft.tokens) < limit and kids[node]:
+            child = max(kids[node].values(), key=rank)
+            p = prob * count[child] / (count[node] - discount)
             discount = 0
             if p < min_prob:
                 break
             prob, node = p, child
-            draft.tokens.append(child.token)
+            draft.tokens.append(self._token[child])
             draft.probs.append(prob)
             draft.score += prob
-            draft.ref = child.ref
+            draft.ref = self._ref[child]
         return draft
