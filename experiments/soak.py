@@ -65,6 +65,7 @@ MAX_REQUEST_BYTES = 1 << 20
 RETAIN_S = 120.0
 UNIT = 16  # the pool's page size: budgets in whole pages
 SERVER_DOWN_S = 300.0  # how long a client waits for a killed server to come back
+DROPS = 4  # streams the faults phase drops, one after another, all the first tenant's
 
 
 def key_of(tenant: str) -> str:
@@ -254,7 +255,7 @@ def _inject(soaked: Soaked, tenants: dict[str, str], gate: Gate, progress: "Prog
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Draft the weekly status report."}],
             "max_tokens": 16, "temperature": 0.0}
     done["drops"] = [drop_stream(soaked.url, key_of(tenant), {**body, "session_id": f"drop-{i}"}, i % 2 == 1)
-                     for i in range(4)]
+                     for i in range(DROPS)]
     progress.wait(0.5)
     gate.close(timeout=600)
     try:
@@ -380,9 +381,11 @@ def flags_for(args: argparse.Namespace, work: AgentWorkload, out: Path) -> tuple
              "--kv-cache-gb", repr(pool / 2**30), "--kv-offload-gb", repr(pool / 2**30),
              "--kv-offload-disk-gb", repr(disk / 2**30), "--max-request-bytes", str(MAX_REQUEST_BYTES),
              "--max-retain-seconds", str(RETAIN_S), "--tenant-max-sessions", str(args.tenant_max_sessions),
-             # A well-behaved tenant's agents all in flight at once stay within its quota; the hostile one's
-             # few threads are far below it: what it may do is what any tenant may.
-             "--tenant-max-concurrent", str(-(-args.agents // len(TENANTS)) + 2)]
+             # A well-behaved tenant's agents all in flight at once stay within its quota, beside the streams its
+             # client drops: a dropped request holds its slot until the server reaps it (within a step, seconds
+             # in a long prefill), and the drops come one after another. The hostile tenant's few threads are far
+             # below the quota: what it may do is what any tenant may.
+             "--tenant-max-concurrent", str(-(-args.agents // len(TENANTS)) + DROPS + 1)]
     return flags, {**budget, "token_bytes": token_bytes, "pool_bytes": pool, "host_tier_bytes": pool, "disk_bytes": disk}
 
 

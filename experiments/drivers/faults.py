@@ -17,12 +17,14 @@ def drop_stream(url: str, key: str, body: dict, after_first_token: bool) -> bool
     """Send a streamed chat request and hang up: at once (a read timeout of
     a few milliseconds, before the server can answer), or right after its
     first content chunk. Whether anything had come back when the client
-    went away."""
+    went away; RuntimeError if the server refused the request."""
     headers = {"Authorization": f"Bearer {key}"}
     timeout = httpx.Timeout(600.0, read=600.0 if after_first_token else 0.005)
     with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
         try:
             with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                if r.status_code != 200:  # refused: nothing was dropped, and the soak must not read it as a drop
+                    raise RuntimeError(f"the stream to drop was refused: {r.status_code} {r.read().decode()[:200]}")
                 for line in r.iter_lines():
                     if line.startswith("data: ") and '"content"' in line:
                         return True
