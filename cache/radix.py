@@ -135,19 +135,20 @@ class RadixCache:
         self._touch(path + [leaf])
         return len(leaf.key)
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, keep: frozenset[int] = frozenset()) -> int:
         """Drop least-recently-used unpinned leaves until at least num_pages pages
         are freed or none is left. A leaf is pinned while any of its pages is
-        referenced outside the tree (a live session); the pages past the last
-        such one still go (a session that diverged from what it published
-        holds only the head). Leaves go whole, so this may free a few pages
-        more than asked. Returns the pages freed."""
+        referenced outside the tree (a live session) or is in keep (what a
+        caller wants kept for now: a waiting request's prefix); the pages past
+        the last such one still go (a session that diverged from what it
+        published holds only the head). Leaves go whole, so this may free a
+        few pages more than asked. Returns the pages freed."""
         freed = 0
         pinned: set[_Node] = set()
         while freed < num_pages and (leaf := self._pop_lru_leaf()) is not None:
-            if not self._pinned(leaf):
+            if not self._pinned(leaf, keep):
                 freed += self._remove(leaf)
-            elif (tail := self._unpinned_tail(leaf)) is not None:
+            elif (tail := self._unpinned_tail(leaf, keep)) is not None:
                 freed += self._remove(tail)  # the pinned head, now a leaf, is queued again
             else:
                 pinned.add(leaf)
@@ -209,20 +210,20 @@ class RadixCache:
             self._push(parent)
         return self._release(leaf.pages)
 
-    def _unpinned_tail(self, leaf: _Node) -> "_Node | None":
+    def _unpinned_tail(self, leaf: _Node, keep: frozenset[int]) -> "_Node | None":
         """Split off the part of a pinned leaf after its last page referenced
-        outside the tree (cut on a page boundary); None if there is none."""
+        outside the tree or kept (cut on a page boundary); None if there is none."""
         ps = self.pool.page_size
-        last = max(i for i, p in enumerate(leaf.pages) if self.pool.refcount[p] > self._refs[p])
+        last = max(i for i, p in enumerate(leaf.pages) if self.pool.refcount[p] > self._refs[p] or p in keep)
         at = (leaf.start // ps + last + 1) * ps
         if at >= leaf.end:
             return None
         self._split(leaf, at)  # leaf keeps [at, end)
         return leaf
 
-    def _pinned(self, node: _Node) -> bool:
+    def _pinned(self, node: _Node, keep: frozenset[int]) -> bool:
         # More references than the tree's own: someone outside holds the page.
-        return any(self.pool.refcount[p] > self._refs[p] for p in node.pages)
+        return any(self.pool.refcount[p] > self._refs[p] or p in keep for p in node.pages)
 
     def _hold(self, pages: list[int]) -> None:
         self.pool.incref(pages)

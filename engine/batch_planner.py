@@ -52,11 +52,13 @@ class BatchPlanner:
         self._preempted_now: set[Request] = set()  # this step's: not scheduled again in it
         self._protect = True  # a request preempted before keeps its pages until it progresses
         self._blocked = False  # this pass left a request waiting for pages others hold
+        self._wanted: frozenset[int] | None = None  # see make_room; found again each pass
 
     def plan(self) -> list[Work]:
         """This step's work, its requests admitted; a request that could
         never fit is failed (KVCapacityError)."""
         self._preempted_now.clear()
+        self._wanted = None
         self.programs.start_pass()
         work = self._plan()
         if not work and self._blocked:
@@ -110,11 +112,22 @@ class BatchPlanner:
     def make_room(self, pages: int, soft_pins: bool = False) -> bool:
         """Apply the KV policy (engine.kv_policy) until `pages` are free,
         preempting nothing. Whether they are. The caller holds the lock."""
+        self._wanted = None
+        return self._make_room(pages, soft_pins)
+
+    def _make_room(self, pages: int, soft_pins: bool) -> bool:
         if self.pool.num_free >= pages:
             return True
         everyone = self.sequences.all
+        if self._wanted is None:
+            # What requests waiting for their program's place will reuse from
+            # the prefix cache: due back, it goes after idle sessions past
+            # their pin. Found once a pass (plan resets it): a long queue's
+            # matches then cost a step little.
+            self._wanted = frozenset(p for r in self.queue.all() if self.programs.waits(r)
+                                     for p in self.policy.waited_for(r.seq))
         return self.policy.make_room(pages, [s for s in everyone if not s.busy], soft_pins,
-                                     frozenset(s.key for s in everyone if s.busy))
+                                     frozenset(s.key for s in everyone if s.busy), self._wanted)
 
     def _follows_a_prefill(self, req: Request) -> bool:
         """Whether a running request is computing a prompt that shares more
@@ -198,7 +211,7 @@ class BatchPlanner:
         """Make `pages` free for req: idle KV first, down to the sessions still
         inside their pin (the KV policy's order), and only then preemption of
         lower-priority requests holding pages, lowest first."""
-        while not self.make_room(pages, soft_pins=True):
+        while not self._make_room(pages, soft_pins=True):
             victim = self._victim(req, scheduled)
             if victim is None:
                 return False

@@ -8,7 +8,10 @@ prefixes no sequence holds (least recently used first), then idle sessions
 past their pin, in the retention policy's order (engine.retention). Such a
 session leaves the pool through evict: its KV goes to the tier (when there
 is one) and is published to the prefix cache, so a later turn finds it in
-one or the other. Next idle sessions still inside their pin give way (soft
+one or the other. The cached prefixes that requests waiting for their
+program's admission will reuse go after those sessions: they are due back,
+and losing them made a waiting agent recompute its whole history once
+admitted. Next idle sessions still inside their pin give way (soft
 pins), the least valuable first: the seconds bringing its KV back would
 cost (restored from the tier, or recomputed), per second until its next
 turn is expected, save that a tenant's pins beyond its share of the pool
@@ -158,30 +161,45 @@ class KVPolicy:
         return excess + within
 
     def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False,
-                  busy_keys: frozenset[str] = frozenset()) -> bool:
+                  busy_keys: frozenset[str] = frozenset(), wanted: frozenset[int] = frozenset()) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
-        sequences past their pin in the retention policy's order (with
-        soft_pins, then those still inside a finite pin). busy_keys: the tier
-        keys of sequences with a request. Whether enough are free."""
+        sequences past their pin in the retention policy's order, then the
+        cached prefixes in `wanted` (those requests waiting for their program's
+        admission will reuse: they are due back, unlike a session past its
+        pin), and with soft_pins, then idle sequences still inside a finite
+        pin. busy_keys: the tier keys of sequences with a request. Whether
+        enough are free."""
         if self.pool.num_free >= pages:
             return True
-        if self.radix is not None:
-            self.radix.evict(pages - self.pool.num_free)
         now = time.monotonic()
         idle = [s for s in idle if s.expired(math.inf)]
-        r = self.retention
-        order = sorted((s for s in idle if s.expired(now)), key=r.eviction_key)
-        if soft_pins:
-            order += self._pins_order([s for s in idle if not s.expired(now)], now)
-        for seq in order:
-            if self.pool.num_free >= pages:
-                break
-            self.evict(seq, family_busy=seq.key in busy_keys)
-            if self.radix is not None:
-                self.radix.evict(pages - self.pool.num_free)
+        self._give_way(pages, sorted((s for s in idle if s.expired(now)), key=self.retention.eviction_key),
+                       busy_keys, wanted)
+        if self.pool.num_free < pages:
+            pinned = self._pins_order([s for s in idle if not s.expired(now)], now) if soft_pins else []
+            self._give_way(pages, pinned, busy_keys, frozenset())
         if soft_pins and self.radix is not None and self.pool.num_free < pages:
             # The last resort before a request fails: pages only the tree
             # holds inside it (a prefix a session holds its own copy of,
             # below a path it still uses) go with the whole tree.
             self.radix.clear()
         return self.pool.num_free >= pages
+
+    def _give_way(self, pages: int, order: list[Sequence], busy_keys: frozenset[str], keep: frozenset[int]) -> None:
+        """Unused cached prefixes but those holding a page in keep, then the
+        sequences of order, until `pages` are free."""
+        if self.radix is not None:
+            self.radix.evict(pages - self.pool.num_free, keep)
+        for seq in order:
+            if self.pool.num_free >= pages:
+                break
+            self.evict(seq, family_busy=seq.key in busy_keys)
+            if self.radix is not None:
+                self.radix.evict(pages - self.pool.num_free, keep)
+
+    def waited_for(self, seq: Sequence) -> list[int]:
+        """The cached pages a sequence holding no KV would reuse (taking no
+        reference): what its request, waiting, would lose if they went."""
+        if self.radix is None or seq.table.length:
+            return []
+        return self.radix.peek(seq.tokens, seq.namespace)[1]

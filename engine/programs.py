@@ -18,7 +18,9 @@ working sets and its own fit the pool plus the second tier; otherwise it
 waits whole, and so does every program that came after it (first come,
 first served by program). Admitted programs keep their place across their
 tool pauses, so their KV is never traded against a newcomer's: what would
-have thrashed queues instead. A program frees its place when it ends (its
+have thrashed queues instead; what a waiting program's turn will reuse
+from the prefix cache gives way only after idle sessions past their pin
+(engine.kv_policy). A program frees its place when it ends (its
 sequences close) or stays idle past its pin (its KV may then give way: it
 is parked). So that nothing waits on work that is not running, a program is
 also admitted whenever no admitted program has a request in flight.
@@ -89,6 +91,10 @@ class ProgramAdmission:
         self._queue_closed = True
         self.refusals += 1
         return False
+
+    def waits(self, req: Request) -> bool:
+        """Whether req waits for its program's place (none held yet)."""
+        return self.enabled and not req.admitted and req.seq.key not in self.admitted
 
     def _running(self) -> bool:
         return any(s.busy for key in self.admitted for s in self.family(key))

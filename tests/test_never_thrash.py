@@ -217,3 +217,39 @@ def test_a_program_keeps_its_place_while_its_tool_runs(ckpt):
     programs.start_pass()
     assert not programs.admitted
     s.close()
+
+
+def test_a_program_waiting_for_its_place_keeps_its_cached_prefix_past_idle_sessions(ckpt, roomy):
+    # An agent's history is only in the prefix cache (its session went) when
+    # its next turn is queued, its program holding no place yet. Room is then
+    # made from an unused cached prefix and an idle session past its pin
+    # first: the waiting turn's prefix goes only after them (due back, it
+    # would otherwise recompute its whole history once admitted), still
+    # before any session inside its pin.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=40, kv_offload_bytes=0)
+    sched, radix = engine.scheduler, engine.scheduler.policy.radix
+    history, unused = ids(40, 1), ids(20, 2)
+    for tokens in (history, unused):
+        with engine.session() as s:
+            s.append(tokens)  # closed: only the prefix cache holds it (15 pages in all)
+    idle, pinned = engine.session(), engine.session()
+    idle.append(ids(24, 3))  # 6 pages, past its pin at once
+    idle.release()
+    pinned.append(ids(16, 4))  # 4 pages, pinned for its tool
+    pinned.end_turn(["build"], expected_s=1000.0)
+    sched.programs.start_pass()  # the idle programs' places go
+    waiting = engine.session()
+    delta = ids(4, 5)
+    waiting.queue(history + delta)
+    req = waiting.start_generate(max_tokens=6, ignore_eos=True, speculative=False)
+    assert sched.programs.waits(req) and radix.peek(history)[0] == 40
+    free = engine.pool.num_free
+    assert sched.make_room(free + 11)  # the unused prefix (5 pages) and the idle session (6)
+    assert not idle.table.pages and pinned.table.pages
+    assert radix.peek(unused)[0] == 0 and radix.peek(history)[0] == 40
+    assert sched.make_room(free + 21, soft_pins=True)  # then the waiting turn's prefix, before the pin
+    assert pinned.table.pages and radix.peek(history)[0] == 0
+    sched.wait(req)
+    assert req.error is None and req.output == alone(roomy, [history + delta], 6)[0]
+    for s in (waiting, idle, pinned):
+        s.close()

@@ -220,6 +220,27 @@ def test_eviction_keeps_what_a_session_pins_and_frees_the_rest_of_its_leaf():
     assert cache.evict(100) == 1 and pool.num_free == pool.num_pages
 
 
+def test_eviction_keeps_the_pages_asked_for_then_frees_them_when_asked_again():
+    """keep (a waiting request's prefix) pins a leaf for that call only: the
+    rest goes first, the kept leaf's pages past the last kept one too."""
+    pool = make_pool(page_size=4)
+    cache = RadixCache(pool)
+    wanted, other = [1] * 12, [2] * 8
+    kept = publish(pool, cache, wanted)
+    publish(pool, cache, other)
+    pool.decref(cache.match(other)[1])  # the wanted leaf is the least recently used one
+
+    assert cache.evict(100, keep=frozenset(kept[:2])) == 3  # other's 2 pages, the wanted leaf's last one
+    check_node_pages(cache)
+    length, pages = cache.match(wanted)
+    assert length == 8 and pages == kept[:2]
+    assert_matches(pool, pages, wanted, length)
+    pool.decref(pages)
+    assert cache.match(other)[0] == 0
+    assert cache.evict(100, keep=frozenset(kept[:2])) == 0
+    assert cache.evict(100) == 2 and pool.num_free == pool.num_pages
+
+
 def test_a_match_never_crosses_namespaces():
     pool = make_pool(page_size=8)
     cache = RadixCache(pool)
