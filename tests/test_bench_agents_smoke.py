@@ -109,3 +109,14 @@ def test_under_pressure_every_turn_is_served(tmp_path):
         assert r["computed_tokens"] + r["reused_tokens"] == r["prompt_tokens"]
     for other in rows[1:]:
         assert other["replies_equal"] == other["completed_turns"]
+
+
+def test_vllms_kv_line_is_the_last_servers(tmp_path):
+    # One log per system and agent count: each budget's server appends to it.
+    log = tmp_path / "vllm-apc-8.log"
+    log.write_text("".join(f"(EngineCore pid={p}) INFO [kv_cache_utils.py:2327] CPU KV cache size: {n} tokens, "
+                           f"Maximum concurrency for 16,384 tokens per request: 1.73x\nother line\n"
+                           for p, n in ((1, "28,288"), (2, "47,104"))))
+    assert bench_agents.vllm_kv_line(log).startswith("CPU KV cache size: 47,104 tokens")
+    log.write_text("no such line\n")
+    assert bench_agents.vllm_kv_line(log) is None

@@ -176,11 +176,10 @@ def start_vllm(args: argparse.Namespace, budget: dict, log: Path) -> ServerProce
 
 
 def vllm_kv_line(log: Path) -> str | None:
-    """vLLM's own statement of the KV cache it allocated."""
-    for line in log.read_text(errors="replace").splitlines():
-        if "KV cache size:" in line:
-            return line.split("] ", 1)[-1].strip()
-    return None
+    """vLLM's own statement of the KV cache it allocated: the last in the log,
+    which each budget's server appends to."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "KV cache size:" in line]
+    return lines[-1].split("] ", 1)[-1].strip() if lines else None
 
 
 def http_client(base_url: str, session_ids: bool, run_tag: str) -> Client:
