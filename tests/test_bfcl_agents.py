@@ -43,6 +43,16 @@ def test_agents_are_spread_over_roles_seeded_and_cut_to_their_turns():
         pick_agents(3, 2, 0, roles=("MathAPI",))  # only multi-class conversations use it
 
 
+def test_a_role_out_of_conversations_is_passed_over():
+    # BFCL has 13 GorillaFileSystem conversations of 2 turns or more and 20 TradingBot ones.
+    agents = pick_agents(32, 2, 0)
+    roles = [a.role for a in agents]
+    assert roles[:26] == ["GorillaFileSystem", "TradingBot"] * 13 and roles[26:] == ["TradingBot"] * 6
+    assert len({a.entry["id"] for a in agents}) == 32
+    with pytest.raises(ValueError, match="34 wanted"):
+        pick_agents(34, 2, 0)
+
+
 def test_the_working_set_holds_each_role_s_docs_once():
     agents = pick_agents(4, 2, 0)
     tok = load_tokenizer(small_model_dir())

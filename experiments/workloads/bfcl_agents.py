@@ -55,22 +55,33 @@ def role_of(entry: dict) -> str:
 def pick_agents(n: int, turns: int, seed: int, roles: tuple[str, ...] = DEFAULT_ROLES) -> list[BfclAgent]:
     """n agents spread over `roles` in turn, each on its own conversation
     (drawn seeded among the role's that have at least `turns` user turns),
-    cut to its first `turns` turns. ValueError when a role has too few."""
+    cut to its first `turns` turns. A role whose conversations are all taken
+    is passed over (BFCL has 13 such GorillaFileSystem conversations: 32
+    agents over the default roles are 13 and 19). ValueError when the roles
+    have too few in all."""
     by_role: dict[str, list] = {}
     for item in load_items("multi_turn_base", None, 0):
         if len(item.entry["question"]) >= turns:
             by_role.setdefault(role_of(item.entry), []).append(item)
-    counts = Counter(roles[i % len(roles)] for i in range(n))
-    drawn = {}
-    for role, k in counts.items():
-        pool = by_role.get(role, [])
-        if len(pool) < k:
-            raise ValueError(f"role {role!r} has {len(pool)} conversations of at least {turns} turns, {k} wanted; "
+    assigned: list[str] = []
+    counts: Counter[str] = Counter()
+    turn = 0
+    for _ in range(n):
+        for _ in roles:
+            role = roles[turn % len(roles)]
+            turn += 1
+            if counts[role] < len(by_role.get(role, [])):
+                break
+        else:
+            have = {r: len(by_role.get(r, [])) for r in roles}
+            raise ValueError(f"the roles have {have} conversations of at least {turns} turns, {n} wanted in all; "
                              f"roles: {', '.join(sorted(by_role))}")
-        drawn[role] = random.Random(f"{seed}/{role}").sample(pool, k)
+        counts[role] += 1
+        assigned.append(role)
+    drawn = {role: random.Random(f"{seed}/{role}").sample(by_role[role], k) for role, k in counts.items()}
     agents = []
-    for i in range(n):
-        item = drawn[roles[i % len(roles)]].pop()
+    for i, role in enumerate(assigned):
+        item = drawn[role].pop()
         entry = {**item.entry, "question": item.entry["question"][:turns]}
         agents.append(BfclAgent(f"a{i}-{entry['id']}", role_of(entry), entry, item.answer[:turns]))
     return agents
