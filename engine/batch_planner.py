@@ -125,7 +125,7 @@ class BatchPlanner:
             # their pin. Found once a pass (plan resets it): a long queue's
             # matches then cost a step little.
             self._wanted = frozenset(p for r in self.queue.all() if self.programs.waits(r)
-                                     for p in self.policy.waited_for(r.seq))
+                                     for p in self.policy.cached_prefix(r.seq)[1])
         return self.policy.make_room(pages, [s for s in everyone if not s.busy], soft_pins,
                                      frozenset(s.key for s in everyone if s.busy), self._wanted)
 

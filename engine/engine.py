@@ -154,10 +154,8 @@ class Engine:
         # the pool and the host tier (engine.programs); off, every request is.
         ps = self.pool.page_size
         tier_pages = self.tier.host_bytes // (self.tier.token_bytes * ps) if self.tier is not None else 0
-        radix = self.radix
-        cached = (lambda seq: radix.peek(seq.tokens, seq.namespace)) if radix is not None else None
         programs = ProgramAdmission(self.pool.num_pages + tier_pages, ps, self.sequences.family, program_admission,
-                                    cached)
+                                    policy.cached_prefix)
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
                                    self.eos_token_ids, decode, self.drafters, programs)
         # Guards the pool, the sequences and the model (the scheduler's lock).

@@ -197,9 +197,11 @@ class KVPolicy:
             if self.radix is not None:
                 self.radix.evict(pages - self.pool.num_free, keep)
 
-    def waited_for(self, seq: Sequence) -> list[int]:
-        """The cached pages a sequence holding no KV would reuse (taking no
-        reference): what its request, waiting, would lose if they went."""
+    def cached_prefix(self, seq: Sequence) -> tuple[int, list[int]]:
+        """What reuse_prefix would give the sequence now, as (length, pages),
+        taking no reference and counting no hit: (0, []) when it holds KV
+        already or there is no prefix cache. For estimates (program admission)
+        and for what a waiting request would lose if those pages went."""
         if self.radix is None or seq.table.length:
-            return []
-        return self.radix.peek(seq.tokens, seq.namespace)[1]
+            return 0, []
+        return self.radix.peek(seq.tokens, seq.namespace)

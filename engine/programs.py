@@ -34,7 +34,8 @@ from typing import Callable
 from agentkv.engine.request import Request
 from agentkv.engine.sequence import Sequence
 
-Cached = Callable[[Sequence], tuple[int, list[int]]]  # the prefix cache's (length, pages) for a sequence's tokens
+# The prefix cache's (length, pages) for a sequence holding no KV, (0, []) for one that holds some.
+Cached = Callable[[Sequence], tuple[int, list[int]]]
 
 
 @dataclass(eq=False)
@@ -122,7 +123,7 @@ class ProgramAdmission:
     def _note_turn(self, p: Program, req: Request) -> None:
         seq = req.seq
         # As the KV policy reuses it: a sequence holding no KV starts from the cached prefix.
-        length, pages = self.cached(seq) if self.cached is not None and not seq.table.length else (0, [])
+        length, pages = self.cached(seq) if self.cached is not None else (0, [])
         p.cached = tuple(pages)
         p.delta = len(seq.tokens) - max(seq.table.length, length)
         p.reply = req.params.max_tokens if req.params is not None else 0
