@@ -279,6 +279,7 @@ class Scheduler:
             self.policy.prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _reap(self) -> None:
+        self.sequences.close_dropped()
         for req in [r for r in self.queue.all() if r.cancelled]:
             self.counters.cancelled += 1
             self.outputs.fail(req, RequestCancelledError("the request was cancelled"))

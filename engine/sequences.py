@@ -2,21 +2,27 @@
 
 One lock guards the sequences, the pool and the model: each operation here
 takes it, and so does each scheduler step, so an operation never sees a
-step half done. A busy or closed sequence is refused before the lock is
-waited for, so that a session with a request in flight is answered at once.
+step half done. It is granted in the order asked for (engine.fair_lock): an
+operation waits for the step under way, not for every step while the loop
+keeps taking it back. A busy or closed sequence is refused before the lock
+is waited for, so that a session with a request in flight is answered at
+once. A session dropped unclosed is closed by its collector only if the lock
+is free, else by the next holder that looks (the scheduler, every step): the
+collector may be the server's event loop, which must not wait for a step.
 """
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 from agentkv.cache.block_table import BlockTable
 from agentkv.cache.pool import PagePool
 from agentkv.engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
+from agentkv.engine.fair_lock import FairLock
 from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.sequence import Sequence, owner_of
 
@@ -24,7 +30,7 @@ from agentkv.engine.sequence import Sequence, owner_of
 class Sequences:
     def __init__(self, pool: PagePool, policy: KVPolicy, max_sessions: int):
         self.pool, self.policy, self.max_sessions = pool, policy, max_sessions
-        self.lock = threading.RLock()
+        self.lock = FairLock()
         self.all: set[Sequence] = set()
         # Live sequences by key: a session and the forks that work its turns.
         self._families: dict[str, set[Sequence]] = {}
@@ -32,6 +38,7 @@ class Sequences:
         # fails whatever request it still has.
         self.on_close: Callable[[Sequence], None] = lambda seq: None
         self._arrivals = itertools.count()
+        self._dropped: deque[Sequence] = deque()  # collected while the lock was held: closed by close_dropped
 
     def new(
         self, namespace: str, pin_ttl: float | None, tokens: Iterable[int] = (), table: BlockTable | None = None,
@@ -42,6 +49,7 @@ class Sequences:
         record keeps first, never another's: TooManySessionsError, and
         nothing changes, if it has none."""
         with self.lock:
+            self.close_dropped()
             if len(self.all) >= self.max_sessions:
                 owner = owner_of(namespace)
                 idle = [s for s in self.all if not s.busy and owner_of(s.namespace) == owner]
@@ -134,8 +142,11 @@ class Sequences:
             return self.policy.persist(seq)
 
     def keep(self, seq: Sequence) -> None:
-        with self.lock:
-            seq.kept = True
+        # Without the lock: one flag, read by the idle reaper and the session
+        # limit, neither of which picks a sequence this new. The API's
+        # session registry calls this under its own lock, which must never
+        # wait for a step (every lease and release would queue behind it).
+        seq.kept = True
 
     def park(self, seq: Sequence) -> None:
         """Move an idle sequence's KV out of the pool (to the second tier and
@@ -162,4 +173,21 @@ class Sequences:
     def close_on_collect(self, handle: object, seq: Sequence) -> None:
         """Close seq when its handle is garbage collected (a dropped, unclosed
         session); not at interpreter exit, when its pages may be gone already."""
-        weakref.finalize(handle, self.close, seq).atexit = False
+        weakref.finalize(handle, self._collected, seq).atexit = False
+
+    def _collected(self, seq: Sequence) -> None:
+        # Never waits: a collection can run on any thread, the event loop's
+        # too, and inside an operation or a step of this very thread (which
+        # must not see a sequence vanish halfway), so it only closes now
+        # when the lock is free.
+        self._dropped.append(seq)
+        if not self.lock.held_by_me() and self.lock.acquire(blocking=False):
+            try:
+                self.close_dropped()
+            finally:
+                self.lock.release()
+
+    def close_dropped(self) -> None:
+        """Close the sequences collected since last asked. The caller holds the lock."""
+        while self._dropped:
+            self.close(self._dropped.popleft())

@@ -39,6 +39,7 @@ updates the session.
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -86,6 +87,10 @@ class TurnHost(GrammarSource, Protocol):
     continuation: str  # "native" or "template-faithful"
     stateless: bool  # nothing is reused: every turn computes its whole prompt
     preposition: bool  # after a turn's tool calls, hold the opening of their results
+    # The engine's lock (reentrant, granted in order: engine.fair_lock). A
+    # turn's start and its end each take it once around their several
+    # session operations, which would otherwise each wait for a step.
+    lock: AbstractContextManager
 
     def session(self, namespace: str = "default") -> "Session": ...
 
@@ -157,27 +162,31 @@ class Turn:
             raise InvalidRequestError("the prompt is empty")
         tools = offered_tools(prompt.tools, tool_choice) if chat else None
         native = session is not None and host.continuation == "native" and not host.stateless
-        work = session if owned else session.fork_for_turn() if session is not None else host.session(namespace)
-        try:
-            grammar = request_grammar(host, tools, tool_choice, response_format, parallel_tool_calls,
-                                      owner_of(work.namespace))
-            if chat:
-                planned = _plan_chat(host, work, prompt.messages, tools, native, truncate_to)
-            else:
-                planned = _reuse(host, work, list(prompt))
-            prompt_len = planned.reused + len(planned.ids)
-            if prompt_len >= host.max_context:
-                raise ContextLengthError(f"the prompt's {prompt_len} tokens leave no room in the context of {host.max_context}")
-            budget = max_tokens(prompt_len) if callable(max_tokens) else max_tokens
-            work.truncate(planned.reused)
-            work.queue(planned.ids)
-            work.turn.native_turns = int(planned.native)
-            req = work.start_generate(max_tokens=budget, grammar=grammar, on_tokens=on_tokens, on_done=on_done,
-                                      **sampling)
-        except BaseException:
-            # Nothing of the caller's changed: a fork is dropped, a handed-over session closed.
-            work.close()
-            raise
+        # Before the lock: compiling a grammar can take a while, and needs only the owner.
+        grammar = request_grammar(host, tools, tool_choice, response_format, parallel_tool_calls,
+                                  owner_of(session.namespace if session is not None else namespace))
+        # One wait for the engine's lock (the step under way), not one per session operation below.
+        with host.lock:
+            work = session if owned else session.fork_for_turn() if session is not None else host.session(namespace)
+            try:
+                if chat:
+                    planned = _plan_chat(host, work, prompt.messages, tools, native, truncate_to)
+                else:
+                    planned = _reuse(host, work, list(prompt))
+                prompt_len = planned.reused + len(planned.ids)
+                if prompt_len >= host.max_context:
+                    raise ContextLengthError(
+                        f"the prompt's {prompt_len} tokens leave no room in the context of {host.max_context}")
+                budget = max_tokens(prompt_len) if callable(max_tokens) else max_tokens
+                work.truncate(planned.reused)
+                work.queue(planned.ids)
+                work.turn.native_turns = int(planned.native)
+                req = work.start_generate(max_tokens=budget, grammar=grammar, on_tokens=on_tokens, on_done=on_done,
+                                          **sampling)
+            except BaseException:
+                # Nothing of the caller's changed: a fork is dropped, a handed-over session closed.
+                work.close()
+                raise
         stops = sampling.get("stop") or ()
         return cls(host, session, work, owned, req, planned, prompt_len,
                    [stops] if isinstance(stops, str) else list(stops), tools, chat and native, canonical_reply,
@@ -200,16 +209,17 @@ class Turn:
             raise req.error
         ids = req.output
         content, calls = parse_reply(host.tokenizer, ids, self.stops, self.tool_format)
-        held = self._hold(work)
-        if held is not None:
-            if self.canonical_reply:
-                canonicalize(host.tokenizer, held, self.prompt_len)
-            held.end_turn([c["name"] for c in calls])
-            if self.logged:
-                reply = reply_message(content, calls)
-                held.message_log = self._log(held, reply)
-                if calls and held.message_log is not None and self.preposition:
-                    self._preposition(held, reply)
+        with host.lock:  # one wait for the step under way, as at the start
+            held = self._hold(work)
+            if held is not None:
+                if self.canonical_reply:
+                    canonicalize(host.tokenizer, held, self.prompt_len)
+                held.end_turn([c["name"] for c in calls])
+                if self.logged:
+                    reply = reply_message(content, calls)
+                    held.message_log = self._log(held, reply)
+                    if calls and held.message_log is not None and self.preposition:
+                        self._preposition(held, reply)
         stats = req.turn
         usage = {
             "prompt_tokens": self.prompt_len,

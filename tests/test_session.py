@@ -1,6 +1,7 @@
 """Sessions: reuse, rollback, fork, and bad input that changes nothing."""
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -201,6 +202,34 @@ def test_dropped_session_returns_its_pages(engine):
     import gc
 
     gc.collect()
+    assert_all_pages_free(engine)
+
+
+def test_a_session_dropped_while_a_step_holds_the_lock_is_closed_by_the_next_step(engine):
+    """Its collector (on a server, maybe the event loop) never waits for the
+    engine's lock: the scheduler's next step closes it."""
+    s = engine.session()
+    s.append(rand_ids(40, 18))
+    held, release = threading.Event(), threading.Event()
+
+    def step_in_progress():
+        with engine.lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=step_in_progress)
+    t.start()
+    held.wait(10)
+    import gc
+
+    del s
+    started = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - started < 1.0  # did not wait for the lock
+    assert engine.pool.num_free < engine.pool.num_pages  # still held: closed later
+    release.set()
+    t.join()
+    engine.scheduler.step()
     assert_all_pages_free(engine)
 
 
