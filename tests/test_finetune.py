@@ -32,6 +32,15 @@ def test_trains_keeps_the_best_adapter_and_resumes(tmp_path):
     assert finetune.main(["--base", str(base), "--out", str(out), "--max-steps", "5", "--resume", *ARGS]) == 0
     second = json.loads((out / "train_log.json").read_text())
     assert second["state"]["step"] == 5 and second["state"]["runs"] == 2
+    # Without resume.pt (it is not committed): from the adapter kept and its log, a new optimizer.
+    (out / "resume.pt").unlink()
+    assert finetune.main(["--base", str(base), "--out", str(out), "--max-steps", "7", "--resume", *ARGS]) == 0
+    third = json.loads((out / "train_log.json").read_text())
+    assert third["state"]["step"] == 7 and third["state"]["runs"] == 3
+    assert len(third["history"]) > len(second["history"]) and len(third["evals"]) >= len(second["evals"]) + 2
+    with pytest.raises(SystemExit, match="rank"):
+        finetune.main(["--base", str(base), "--out", str(out), "--max-steps", "8", "--resume", *ARGS[:4],
+                       "--rank", "4", *ARGS[6:]])
     model = load_model(out, "float32")
     assert model.cfg.hidden_size == 64
     assert load_tokenizer(out).chat_template == CHAT_TEMPLATE
