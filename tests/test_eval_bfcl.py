@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("bfcl_eval")
 
 # Before bfcl_eval.utils: the module points the folders bfcl makes on import away from site-packages.
-from agentkv.experiments.benchmarks.eval_bfcl import check_ast, run_single_turn, standardize  # noqa: E402
-from agentkv.experiments.workloads.bfcl import Reply, openai_tools, run_multi_turn  # noqa: E402
+from agentkv.experiments.benchmarks.eval_bfcl import check_ast, run_item, run_single_turn, standardize  # noqa: E402
+from agentkv.experiments.workloads.bfcl import Item, Reply, openai_tools, run_multi_turn  # noqa: E402
 from bfcl_eval.utils import populate_test_cases_with_predefined_functions  # noqa: E402, I001
 
 AREA = {"name": "geometry.area", "description": "Area of a shape.", "parameters": {
@@ -145,6 +145,22 @@ def test_single_turn_records_the_verdict():
     assert run_single_turn(scripted(reply), single_entry(AREA), [AREA_ANSWER], "simple_python")["passed"]
     record = run_single_turn(scripted(Reply("2 cm")), single_entry(AREA), [AREA_ANSWER], "simple_python")
     assert not record["passed"] and "wrong_count" in record["reason"]
+
+
+@pytest.mark.parametrize("category", ["simple_python", "multi_turn_base"])
+def test_a_refused_request_fails_its_item_not_the_run(category):
+    """A server's refusal (a conversation past the context: 413) is that item's failure."""
+    import httpx
+    import openai
+
+    def refusing(messages, tools):
+        request = httpx.Request("POST", "http://server/v1/chat/completions")
+        raise openai.APIStatusError("prompt too long", response=httpx.Response(413, request=request), body=None)
+
+    entry, answer = (single_entry(AREA), [AREA_ANSWER]) if category == "simple_python" else (file_system_entry(),
+                                                                                            GROUND_TRUTH)
+    made = run_item(refusing, Item(category, entry, answer), max_steps=8)
+    assert not made["passed"] and made["reason"].startswith("request_error: APIStatusError")
 
 
 def file_system_entry() -> dict:

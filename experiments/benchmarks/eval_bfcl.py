@@ -242,12 +242,12 @@ def run_item(chat: Chat, item: Item, max_steps: int) -> dict:
     start = time.perf_counter()
     try:
         if item.category.startswith("multi_turn"):
-            record = run_multi_turn(chat, item.entry, item.answer, max_steps)
+            made = run_multi_turn(chat, item.entry, item.answer, max_steps)
         else:
-            record = run_single_turn(chat, item.entry, item.answer, item.category)
+            made = run_single_turn(chat, item.entry, item.answer, item.category)
     except openai.APIError as e:
-        record = record(False, f"request_error: {type(e).__name__}: {e}", [])
-    return {"id": item.entry["id"], "category": item.category, **record,
+        made = record(False, f"request_error: {type(e).__name__}: {e}", [])
+    return {"id": item.entry["id"], "category": item.category, **made,
             "seconds": round(time.perf_counter() - start, 3)}
 
 
