@@ -4,6 +4,7 @@ weights, dequantized and merged once, with the tokenizer and chat template,
 so that transformers and vLLM serve exactly what the engine serves."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,11 +35,31 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
     return out
 
 
+SOURCE_FILE = "export_source.json"
+
+
+def source_digest(source: Path) -> str:
+    """The sha256 of what a model path holds (a file, or a folder's files):
+    an adapter retrained in place is another source."""
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def export_hf(source: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
-    """source as an HF checkpoint in out (written whole to a temporary folder, then renamed)."""
-    out = Path(out)
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
-        return out
+    """source as an HF checkpoint in out (written whole to a temporary folder,
+    then renamed); an export of the same source's same contents is reused."""
+    source, out = Path(source), Path(out)
+    digest = source_digest(source)
+    stamp = out / SOURCE_FILE
+    if stamp.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        if json.loads(stamp.read_text()).get("digest") == digest:
+            return out
     model = load_model(source, "float32")
     tok = load_tokenizer(source)
     if tok is None:
@@ -53,6 +74,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "bfloat16") -> P
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": model.cfg.bos_token_id, "eos_token_id": tok.eos_token_ids}, indent=2))
+    (tmp / SOURCE_FILE).write_text(json.dumps({"source": str(source.resolve()), "digest": digest}, indent=2))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

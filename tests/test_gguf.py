@@ -160,3 +160,12 @@ def test_export_to_hf_gives_transformers_the_same_model_and_template(tmp_path):
     assert hf_tok.apply_chat_template(messages, tokenize=False) == ours.apply_chat_template(messages, tokenize=False)
     assert hf_tok("hi <tool_call> naïve 12345", add_special_tokens=False)["input_ids"] == \
         ours.encode("hi <tool_call> naïve 12345")
+    # The same source again: the export is reused. Another model in its place: exported anew.
+    written = (out / "model.safetensors").stat().st_mtime_ns
+    assert export_hf(path, tmp_path / "hf", dtype="float32") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+    write_gguf(random_llama(tied=True, seed=1), path, "Q4_1")
+    export_hf(path, tmp_path / "hf", dtype="float32")
+    again = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(_our_logits(path, PROMPT), again(PROMPT).logits[0], atol=2e-4, rtol=2e-4)
