@@ -343,12 +343,17 @@ DECLINES = ("None of the available functions can help with that: they {can}.",
 
 
 def function_unfit_episode(r: random.Random, arg_ok, heldout: frozenset[str], eval_set: bool = False) -> Episode:
-    """A request that none of the 1-4 offered functions (all of other
-    domains) fits: declined in text, no call."""
+    """A request that none of the 1-4 offered functions fits: declined in
+    text, no call. Half the time one or two of them are of the request's own
+    domain (the circumference wanted, an area offered), so that reading the
+    function, not the topic, decides."""
     pool = _functions(arg_ok, False)
     wanted = r.choice(_functions(arg_ok, True) if eval_set else pool)
-    offered = [f for f in pool if f.domain != wanted.domain]
-    offered = r.sample(offered, min(len(offered), r.randint(1, 4)))
+    near = [f for f in pool if f.domain == wanted.domain and f.name != wanted.name]
+    far = [f for f in pool if f.domain != wanted.domain]
+    offered = r.sample(near, min(len(near), r.randint(1, 2))) if near and r.random() < 0.5 else []
+    offered += r.sample(far, min(len(far), r.randint(0 if offered else 1, 4 - len(offered))))
+    r.shuffle(offered)
     text, _ = _draw(wanted, r)
     can = " and ".join(f.decline for f in offered[:3])
     msgs = (_messages_start(r) if r.random() < 0.6 else []) + [_user(r, text)]

@@ -339,13 +339,16 @@ class TFEval:
     """Held-out turns scored in one batched forward: a greedy decoder writes the
     right tool name iff every reply token up to the name's closing quote is the
     argmax, and the whole call iff every reply token (and <|im_end|>) is. For a
-    turn whose reference is a text answer, "exact" is the whole answer and
-    "right_tool" its first token (an answer, not a call, starts)."""
+    turn whose reference is a text answer, "exact" is the whole answer,
+    "right_tool" its first token, and "begun_as_answer" whether the first
+    token is anything but a call's (the decision to answer, whatever the
+    words)."""
 
     def __init__(self, tok: Tokenizer, turns: list[D.EvalTurn]):
         r = D.Renderer(tok)
         self.items = []
         im_end = tok.token_to_id("<|im_end|>")
+        self.call_start = tok.backend.encode("<tool_call>", add_special_tokens=False).ids[0]
         for t in turns:
             prompt = tok.encode(r.render(t.messages, t.tools or None, True))
             enc = tok.backend.encode(t.reply_text, add_special_tokens=False)
@@ -379,7 +382,7 @@ class TFEval:
                 with autocast():
                     pred = dense_logits(model, h[row, pos]).float().argmax(-1).cpu()
                 ok = (pred == torch.tensor(reply)).tolist()
-                results[i] = (all(ok[:n_name]), all(ok), sum(ok) / len(ok))
+                results[i] = (all(ok[:n_name]), all(ok), sum(ok) / len(ok), int(pred[0]) != self.call_start)
 
         for i in order:
             n = len(self.items[i][0]) + len(self.items[i][1])
@@ -400,6 +403,8 @@ class TFEval:
                 out[name] = {"right_tool": sum(results[i][0] for i in keys) / len(keys),
                              "exact_args": sum(results[i][1] for i in keys) / len(keys),
                              "token_acc": sum(results[i][2] for i in keys) / len(keys), "n": len(keys)}
+                if name == "answers":
+                    out[name]["begun_as_answer"] = sum(results[i][3] for i in keys) / len(keys)
         return out
 
 
