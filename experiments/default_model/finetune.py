@@ -271,12 +271,12 @@ def main(argv=None) -> int:
         log(f"eval step {state['step']}: right tool {a.get('right_tool', 0):.0%}, exact args "
             f"{a.get('exact_args', 0):.0%}, held-out args {res.get('held-out args', {}).get('exact_args', 0):.0%}, "
             f"answers {res.get('answers', {}).get('exact_args', 0):.0%} (begun as answers "
-            f"{res.get('answers', {}).get('right_tool', 0):.0%}) [{time.monotonic() - t:.0f}s]")
+            f"{res.get('answers', {}).get('begun_as_answer', 0):.0%}) [{time.monotonic() - t:.0f}s]")
         if wandb_run is not None:
             wandb_run.log({f"eval/{k}": v for k, v in a.items()}, step=state["step"])
         # Calling right and declining right weigh alike: run 2 gained declines by losing calls, run 3 the reverse.
         answers = res.get("answers", {})
-        score = [(a.get("exact_args", 0.0) + answers.get("right_tool", 0.0)) / 2, a.get("token_acc", 0.0)]
+        score = [(a.get("exact_args", 0.0) + answers.get("begun_as_answer", 0.0)) / 2, a.get("token_acc", 0.0)]
         if best["score"] is None or score > best["score"]:
             best.update(score=score, step=state["step"])
             lora.save_adapter(out, params, cfg, base_json)
