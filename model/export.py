@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+from agentkv.model.base_model import file_sha256
 from agentkv.model.config import ModelConfig
 from agentkv.model.errors import ModelLoadError
 from agentkv.model.loader import load_model, load_tokenizer, parse_dtype, save_model
@@ -44,10 +45,7 @@ def source_digest(source: Path) -> str:
     files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
     h = hashlib.sha256()
     for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        h.update(f"{f.name}\0{file_sha256(f)}\n".encode())
     return h.hexdigest()
 
 
