@@ -120,3 +120,24 @@ def test_vllms_kv_line_is_the_last_servers(tmp_path):
     assert bench_agents.vllm_kv_line(log).startswith("CPU KV cache size: 47,104 tokens")
     log.write_text("no such line\n")
     assert bench_agents.vllm_kv_line(log) is None
+
+
+def _row(system: str, repeat: int, job: float, errors: int = 0) -> dict:
+    return {"system": system, "agents": 16, "fraction": 0.3, "repeat": repeat, "job_s_median": job,
+            "job_s_p90": job + 1, "turn_s_p50": job / 10, "wall_s": job + 5, "errors": ["e"] * errors,
+            "prefix_hits": 9.0, "prefix_queries": 10.0}
+
+
+def test_repeats_give_medians_and_the_median_of_each_repeats_ratio():
+    # The ratio is taken within a repeat (systems side by side), then the median over repeats:
+    # 3.0, 1.5 and 2.0 give 2.0, not the ratio of the medians (30 / 10 = 3.0).
+    rows = [_row("agentkv", 0, 10.0), _row("vllm-apc", 0, 30.0, errors=1),
+            _row("agentkv", 1, 20.0), _row("vllm-apc", 1, 30.0),
+            _row("agentkv", 2, 5.0), _row("vllm-apc", 2, 10.0)]
+    ours, theirs = bench_agents.over_repeats(rows)
+    assert (ours["system"], ours["repeats"], ours["job_s_median"], ours["ratio_to_first"]) == ("agentkv", 3, 10.0, 1.0)
+    assert theirs["first"] == "agentkv" and theirs["job_s_each"] == [30.0, 30.0, 10.0]
+    assert theirs["job_s_median"] == 30.0 and theirs["ratio_to_first"] == 2.0 and theirs["errors"] == 1
+    assert theirs["hit_rate"] == 0.9
+    assert [r[0] for r in bench_agents.repeat_rows([ours, theirs])] == ["agentkv", "vllm-apc"]
+    assert bench_agents.label(rows[2]) == "agentkv r1" and bench_agents.label(rows[0]) == "agentkv"

@@ -39,9 +39,15 @@ server recorded it (GET /v1/sessions/{id}): queued (waiting for admission:
 a program's place, a slot, pages), prefill, decode, and the rest of its
 latency (steps shared with others, HTTP): printed and plotted.
 
+--repeats N runs every cell N times, the systems in turn within each
+repeat (a fresh server each time), and adds a table of medians over the
+repeats with each system's job p50 as a multiple of the first system's,
+the median of the repeats' own ratios: one run's job time moves by
+several seconds on this machine.
+
     python -m agentkv.experiments.benchmarks.bench_agents [--agents 8,16,32] [--turns-per-agent 4] [--max-tokens 96] \
         [--pause-scale 1] [--kv-fraction 0.3,0.5,1.0] [--systems agentkv,agentkv-noadmit,agentkv-lru,vllm-apc] \
-        [--seed 0] [--threads 2] [--workload generated|bfcl] [--model DIR]
+        [--seed 0] [--threads 2] [--workload generated|bfcl] [--model DIR] [--repeats 1]
 """
 from __future__ import annotations
 
@@ -277,13 +283,18 @@ TIMELINE_HEADERS = ["system", "agents", "KV / working set", "turns", "queued s p
                     "other s p50", "queued s all", "prefill s all", "decode s all", "other s all"]
 
 
+def label(row: dict) -> str:
+    """The system, and the repeat after the first."""
+    return row["system"] + (f" r{row['repeat']}" if row.get("repeat") else "")
+
+
 def table_rows(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         hit = r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"] else None
         mb = lambda b: None if b is None else b / 1e6  # noqa: E731
         out.append([
-            r["system"], r["agents"],
+            label(r), r["agents"],
             f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
             f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]),
             f"{r['jobs_passed']}/{r['jobs_checked']}" if r["jobs_checked"] else "-", fmt(r["job_s_median"]),
@@ -300,24 +311,68 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def timeline_rows(rows: list[dict]) -> list[list]:
-    return [[r["system"], r["agents"], f"{r['fraction']:.0%}", len(r["timeline"]),
+    return [[label(r), r["agents"], f"{r['fraction']:.0%}", len(r["timeline"]),
              *(fmt(r[f"{k}_median"], ".2f") for k in TIMELINE), *(fmt(r[f"{k}_total"], ".0f") for k in TIMELINE)]
             for r in rows if r["timeline"]]
 
 
+def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by (agents, fraction, system), in run order: one per repeat."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["agents"], r["fraction"], r["system"]), []).append(r)
+    return out
+
+
+def over_repeats(rows: list[dict]) -> list[dict]:
+    """Per cell and system: the medians over its repeats, and its job p50 as
+    a multiple of the first system's (the median of the per-repeat ratios:
+    each repeat ran the systems one after another)."""
+    groups = cells(rows)
+    first: dict[tuple, str] = {}
+    for agents, fraction, system in groups:
+        first.setdefault((agents, fraction), system)
+    out = []
+    for (agents, fraction, system), runs in groups.items():
+        ref = {r["repeat"]: r["job_s_median"] for r in groups[agents, fraction, first[agents, fraction]]}
+        ratios = [r["job_s_median"] / ref[r["repeat"]] for r in runs if ref.get(r["repeat"])]
+        med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+        out.append({"system": system, "agents": agents, "fraction": fraction, "repeats": len(runs),
+                    "first": first[agents, fraction], "job_s_median": med("job_s_median"),
+                    "job_s_each": [r["job_s_median"] for r in runs], "job_s_p90": med("job_s_p90"),
+                    "turn_s_p50": med("turn_s_p50"), "wall_s": med("wall_s"),
+                    "errors": sum(len(r["errors"]) for r in runs),
+                    "hit_rate": statistics.median(r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"]
+                                                  else float("nan") for r in runs),
+                    "ratio_to_first": statistics.median(ratios) if ratios else float("nan")})
+    return out
+
+
+REPEAT_HEADERS = ["system", "agents", "KV / working set", "repeats", "job s p50 (median)", "job s p50 each",
+                  "job s p90 (median)", "turn s p50 (median)", "wall s (median)", "errors", "hit rate",
+                  "job p50 / first's"]
+
+
+def repeat_rows(summary: list[dict]) -> list[list]:
+    return [[s["system"], s["agents"], f"{s['fraction']:.0%}", s["repeats"], fmt(s["job_s_median"]),
+             " ".join(fmt(x) for x in s["job_s_each"]), fmt(s["job_s_p90"]), fmt(s["turn_s_p50"], ".2f"),
+             fmt(s["wall_s"]), s["errors"], fmt(s["hit_rate"], ".2f"), f"{fmt(s['ratio_to_first'], '.2f')}x"]
+            for s in summary]
+
+
 def plot(res: dict, path: Path) -> None:
-    """Per agent count: median job time and prefix-cache hit rate against the KV budget, a line per system."""
-    rows = res["rows"]
+    """Per agent count: median job time and prefix-cache hit rate against the KV budget, a line per system
+    (medians over repeats)."""
+    rows = res["summary"]
     plt = pyplot()
     counts = sorted({r["agents"] for r in rows})
     fig, axes = plt.subplots(2, len(counts), figsize=(5 * len(counts), 7), squeeze=False)
     for col, n in enumerate(counts):
         for system in dict.fromkeys(r["system"] for r in rows):
-            pts = sorted((r["fraction"], r) for r in rows if r["system"] == system and r["agents"] == n)
-            xs = [f for f, _ in pts]
-            axes[0][col].plot(xs, [r["job_s_median"] for _, r in pts], marker="o", label=system)
-            hits = [r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"] else float("nan") for _, r in pts]
-            axes[1][col].plot(xs, hits, marker="o", label=system)
+            pts = sorted((r for r in rows if r["system"] == system and r["agents"] == n), key=lambda r: r["fraction"])
+            xs = [r["fraction"] for r in pts]
+            axes[0][col].plot(xs, [r["job_s_median"] for r in pts], marker="o", label=system)
+            axes[1][col].plot(xs, [r["hit_rate"] for r in pts], marker="o", label=system)
         axes[0][col].set_title(f"{n} agents")
         axes[0][col].set_ylabel("job completion per agent, median (s)")
         axes[1][col].set_ylabel("prefix-cache hit rate")
@@ -333,7 +388,7 @@ def plot_timeline(res: dict, path: Path) -> None:
     rows = [r for r in res["rows"] if r["timeline"]]
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    labels = [f"{r['system']}\n{r['agents']}a {r['fraction']:.0%}" for r in rows]
+    labels = [f"{label(r)}\n{r['agents']}a {r['fraction']:.0%}" for r in rows]
     bottom = [0.0] * len(rows)
     for k in TIMELINE:
         vals = [r[f"{k}_total"] / max(1, len(r["timeline"])) for r in rows]
@@ -363,11 +418,12 @@ def run(args: argparse.Namespace) -> dict:
             budget = budget_for(work, tokenizer, args, cfg, fraction)
             if budget is None:
                 continue
-            for system in systems:
-                rows.append(run_system(system, n, work, args, budget, out))
+            for repeat in range(args.repeats):
+                for system in systems:
+                    rows.append({**run_system(system, n, work, args, budget, out), "repeat": repeat})
     same_replies(rows)
     return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": machine(),
-            "skipped": skipped, "rows": rows, "out_dir": str(out)}
+            "skipped": skipped, "rows": rows, "summary": over_repeats(rows), "out_dir": str(out)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -391,25 +447,33 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every server's tokens per step")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "agent-8m")
     p.add_argument("--out", default=None, help="run folder (default runs/bench_agents-<time>)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every cell, the systems in turn within each")
     p.add_argument("--no-wandb", action="store_true")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     res = run(args)
     rows = res["rows"]
     lines = [f"{args.turns_per_agent} turns per agent, replies up to {args.max_tokens} tokens, tool pauses "
              f"x{args.pause_scale}, {args.threads} threads per server; distinct = the working set with the agents' "
              f"shared prefix held once; KV MB = each system's KV memory in all:", table(HEADERS, table_rows(rows)),
              "Our turns' timelines (server side: queued for admission, prefill, decode, the rest of the latency):",
-             table(TIMELINE_HEADERS, timeline_rows(rows))]
+             table(TIMELINE_HEADERS, timeline_rows(rows)),
+             f"Medians over {args.repeats} repeat(s), the systems in turn within each; job p50 / first's: the median of "
+             f"the repeats' ratios to the first system's job p50:", table(REPEAT_HEADERS, repeat_rows(res["summary"]))]
     for r in rows:
-        lines.append(f"{r['system']} x{r['agents']}: tool pauses {r['pause_s_min']:.1f} to {r['pause_s_max']:.1f} s, "
+        lines.append(f"{label(r)} x{r['agents']}: tool pauses {r['pause_s_min']:.1f} to {r['pause_s_max']:.1f} s, "
                      f"median {r['pause_s_median']:.1f} s, {r['pause_s_total']:.0f} s in all; wall {r['wall_s']:.0f} s")
         if r.get("vllm_kv_log"):
             lines.append(f"vLLM x{r['agents']}: {r['vllm_kv_log']}")
     lines += [f"skipped {s}: {why}" for s, why in res["skipped"].items()]
-    summary = {f"{r['system']}/{r['agents']}/{r['fraction']}/{k}": r[k] for r in rows
+    summary = {f"{r['system']}/{r['agents']}/{r['fraction']}/r{r['repeat']}/{k}": r[k] for r in rows
                for k in ("job_s_median", "job_s_p90", "turn_s_p50", "turn_s_p90") if not math.isnan(r[k])}
+    summary |= {f"{s['system']}/{s['agents']}/{s['fraction']}/{k}": s[k] for s in res["summary"]
+                for k in ("job_s_median", "ratio_to_first") if not math.isnan(s[k])}
     wandb = None if args.no_wandb else WandbRun("bench_agents", res["args"], summary,
-                                                tables={"systems": (HEADERS, table_rows(rows))})
+                                                tables={"systems": (HEADERS, table_rows(rows)),
+                                                        "repeats": (REPEAT_HEADERS, repeat_rows(res["summary"]))})
     publish(Path(res["out_dir"]), res, "\n".join(lines),
             plots={"bench_agents.png": plot, "bench_agents_timeline.png": plot_timeline} if rows else {}, wandb=wandb)
     return res
