@@ -61,20 +61,28 @@ def kv_cache_gb(path: Path, dtype: str, tokens: int) -> int:
     return max(1, int(per_token * 1.5 * tokens / (1 << 30)) + 1)
 
 
+BLOCK_SIZE = 128  # vLLM-CPU's KV block, offline and served alike
+
+
+def replay_room(path: Path, dtype: str, reqs: list[Request]) -> tuple[int, int]:
+    """(GiB of KV, max_model_len) for replaying reqs: room for every agent's
+    context at once (prefix caching keeps them), in the run's dtype, and the
+    longest request's prompt + reply within the model's positions."""
+    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    return kv_cache_gb(path, dtype, kv_tokens_needed(reqs)), min(max(len(r.ids) + r.gen for r in reqs) + 16, positions)
+
+
 def vllm_system(kind: str, path: Path, reqs: list[Request], *, dtype: str, threads: int, log: Path,
                 timeout: float | None = None, max_model_len: int | None = None) -> PeerSystem:
     """One of KINDS, loaded and warmed up. enforce_eager, CPU KV block size
     128; its prefill and decode times are its own request stats.
     max_model_len: vLLM's limit on prompt + reply; by default the longest
     request's, for callers that know every prompt in advance."""
-    # KV room for every agent's context (APC keeps them), in the run's dtype.
-    kv_gb = kv_cache_gb(path, dtype, kv_tokens_needed(reqs))
-    positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    kv_gb, longest = replay_room(path, dtype, reqs)
     # The driver keeps vLLM's engine core in its own process, as setup_vllm.sh says to run it.
     env = {**vllm_env(threads, kv_gb), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     spec = {"model": str(path.resolve()), "dtype": dtype, "threads": threads, "apc": kind == "vllm-apc",
-            "block_size": 128, "max_model_len": max_model_len or min(max(len(r.ids) + r.gen for r in reqs) + 16,
-                                                                 positions),
+            "block_size": BLOCK_SIZE, "max_model_len": max_model_len or longest,
             "warmup_ids": reqs[0].ids[:256]}
     peer = PeerSystem(kind, [str(VLLM_VENV / "bin" / "python"), str(ROOT / "experiments/drivers/peers/vllm_driver.py")],
                       env, spec, log, timeout)
@@ -148,13 +156,11 @@ class VllmServerSystem:
 
     def __init__(self, path: Path, reqs: list[Request], *, dtype: str, threads: int, log: Path,
                  timeout: float | None = None):
-        kv_gb = kv_cache_gb(path, dtype, kv_tokens_needed(reqs))
-        positions = json.loads((path / "config.json").read_text())["max_position_embeddings"]
-        max_len = min(max(len(r.ids) + r.gen for r in reqs) + 16, positions)
+        kv_gb, max_len = replay_room(path, dtype, reqs)
         start = time.perf_counter()
         self.server = start_vllm_server(path, threads=threads, dtype=dtype, kv_gb=kv_gb, max_model_len=max_len,
                                         served_model_name=self.name, log=log, dev_mode=True,
-                                        extra_args=["--enforce-eager", "--block-size", "128", "--seed", "0"])
+                                        extra_args=["--enforce-eager", "--block-size", str(BLOCK_SIZE), "--seed", "0"])
         try:
             self.http = httpx.Client(base_url=self.server.url, timeout=timeout)
             self._complete(reqs[0].ids[:256], 4)  # warm-up, untimed
