@@ -168,6 +168,59 @@ def test_bits_do_not_depend_on_placement_or_batch(dtype, window, monkeypatch):
     assert outs[0].shape == (1, hq, d) and outs[1].shape == (5, hq, d)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_sequences_sharing_prefix_pages_get_their_bits_alone(dtype, head_dim, monkeypatch):
+    """Sequences whose tables hold the same pages for a prefix (the radix
+    cache's sharing) each get the bits they get alone in the step and the
+    naive result, over every kind of overlap: a prefix held by 26 decodes,
+    verifies beside decodes, a sequence whose last shared split holds its own
+    query, one that shares only part of a split, one with the same keys in
+    other pages, and a longer chunk that goes elsewhere. (A kernel that read
+    shared splits once for all their sequences broke this by one block
+    size's rounding; see docs/bench_cpu_attention.md, round 7.)"""
+    monkeypatch.setattr(cpu_paged_attention, "SPLIT", 32)
+    monkeypatch.setitem(cpu_paged_attention.MAX_QUERIES, dtype, 16)
+    page_size, hq, hkv = 4, 6, 2
+    g = torch.Generator().manual_seed(5)
+    prefix = 104  # 26 pages, 3 whole splits and a part
+    # (queries, length, tokens of the shared prefix its table holds)
+    spec = [(1, 150 + i, prefix) for i in range(26)] + [
+        (5, 140, prefix), (3, 130, prefix), (1, 97, prefix), (2, 70, prefix), (1, 130, 40), (1, 130, 0), (20, 120, prefix),
+    ]
+    tables, next_page = [], -(-prefix // page_size)
+    for _, s_len, shared in spec:
+        held = min(shared // page_size, -(-s_len // page_size))  # a sequence inside the prefix ends in its pages
+        own = -(-s_len // page_size) - held
+        tables.append(list(range(held)) + list(range(next_page, next_page + own)))
+        next_page += own
+    k_cache = torch.zeros(hkv, next_page, page_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
+    v_cache = torch.zeros_like(k_cache)
+    base_k = torch.randn(hkv, 200, head_dim, generator=g).to(dtype)
+    base_v = torch.randn(hkv, 200, head_dim, generator=g).to(dtype)
+    for i, ((_, s_len, _), table) in enumerate(zip(spec, tables)):
+        pos = torch.arange(s_len)
+        slots = torch.tensor(table)[pos // page_size] * page_size + pos % page_size
+        # The prefix's keys for all (written again, the same, where shared); the rest each its own.
+        k = torch.randn(hkv, s_len, head_dim, generator=g).to(dtype)
+        v = torch.randn(hkv, s_len, head_dim, generator=g).to(dtype)
+        k[:, :prefix], v[:, :prefix] = base_k[:, : min(prefix, s_len)], base_v[:, : min(prefix, s_len)]
+        reference._by_head(k_cache).index_copy_(1, slots, k)
+        reference._by_head(v_cache).index_copy_(1, slots, v)
+    q = torch.randn(sum(n for n, _, _ in spec), hq, head_dim, generator=g).to(dtype)
+    meta = AttnMetadata.build([n for n, _, _ in spec], [s for _, s, _ in spec], tables, page_size)
+    scale = head_dim**-0.5
+    got = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+    want = reference.naive_paged_attention(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype][0], rtol=TOL[dtype][1])
+    start = 0
+    for (n, s_len, _), table in zip(spec, tables):
+        alone = AttnMetadata.build([n], [s_len], [table], page_size)
+        rows = slice(start, start + n)
+        assert torch.equal(got[rows], cpu_paged_attention.paged_attention(q[rows], k_cache, v_cache, alone, scale))
+        start += n
+
+
 def test_dispatch_runs_the_kernel_on_cpu_and_env_forces_the_reference(monkeypatch):
     q, k_cache, v_cache, meta = build(CASES[1], torch.bfloat16)
     kernel = cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta, 0.125)

@@ -4,7 +4,8 @@ attention-only time and effective GB/s of the K/V read next to a plain memory
 read measured in the same run; then decode ms/token of whole models, old path
 (AGENTKV_KERNELS=torch) against new.
 
-Attention: one sequence at each --contexts length in a pool of --layers
+Attention: one sequence (--batch of them, their first --shared-prefix keys in
+pages each of --groups groups holds in common) at each --contexts length in a pool of --layers
 layers (the SmolLM2-135M shape's heads by default), so that a step's K/V
 (all layers) is far larger than the caches, as in a model; a step is
 attention over every layer for --queries new tokens (1: decode, k+1: verify).
@@ -24,6 +25,7 @@ steps timed, old and new paths alternating per repeat.
 
     python -m agentkv.experiments.benchmarks.bench_cpu_attention [--contexts 4096,8192,16384] [--threads 1,2]
         [--dtypes float32,bfloat16] [--queries 1] [--repeats 7] [--baseline REV]
+        [--batch 16 --shared-prefix 4096 --groups 2]
         [--decode-contexts 8192] [--decode-tokens 16] [--skip-decode] [--skip-attention]
 
 Writes runs/bench_cpu_attention-<time>/{results.json, report.txt}.
@@ -126,15 +128,23 @@ def source_at(rev: str) -> dict[str, str]:
 
 
 def attention_case(cfg: ModelConfig, dtype: torch.dtype, context: int, num_q: int, layers: int, page_size: int,
-                   placement: str, gen: torch.Generator):
-    num_pages = -(-context // page_size) + 1
+                   placement: str, gen: torch.Generator, batch: int = 1, shared: int = 0, groups: int = 1):
+    """A pool and one step of `batch` sequences of `context` keys and num_q
+    queries each, whose first `shared` keys (whole pages) lie in pages that
+    the sequences of each of `groups` groups hold in common (agents of one
+    role on its prompt, as the radix cache shares it)."""
+    per_seq, held = -(-context // page_size), min(shared, context) // page_size
+    num_pages = groups * held + batch * (per_seq - held) + 1
     pool = PagePool(layers, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen).to(dtype))
     pages = list(range(num_pages - 1))
     if placement == "random":
         pages = torch.randperm(num_pages, generator=gen)[: num_pages - 1].tolist()
-    meta = AttnMetadata.build([num_q], [context], [pages], page_size)
-    q = torch.randn(num_q, cfg.num_heads, cfg.head_dim, generator=gen).to(dtype)
+    own = pages[groups * held:]
+    tables = [pages[b % groups * held:(b % groups + 1) * held] + own[b * (per_seq - held):(b + 1) * (per_seq - held)]
+              for b in range(batch)]
+    meta = AttnMetadata.build([num_q] * batch, [context] * batch, tables, page_size)
+    q = torch.randn(batch * num_q, cfg.num_heads, cfg.head_dim, generator=gen).to(dtype)
     return pool, meta, q
 
 
@@ -160,10 +170,11 @@ def bench_attention(args) -> list[dict]:
         torch.set_num_threads(threads)
         dtype = getattr(torch, dtype_name)
         pool, meta, q = attention_case(cfg, dtype, context, args.queries, args.layers, args.page_size,
-                                       args.placement, gen)
+                                       args.placement, gen, args.batch, args.shared_prefix, args.groups)
         tuned = cpu_paged_attention.tune_prefetch([(pool.kv[i, 0], pool.kv[i, 1]) for i in range(args.layers)],
                                                   cfg.num_heads)
-        kv_bytes = args.layers * 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        # As every sequence reads them: shared pages count once per sequence.
+        kv_bytes = args.batch * args.layers * 2 * context * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         mem_small = read_bandwidth(args.repeats)
         mem = read_bandwidth(args.repeats, huge_pages=True)
         times = {p: [] for p in paths}
@@ -173,7 +184,8 @@ def bench_attention(args) -> list[dict]:
             for p, impl in paths.items():
                 times[p].append(time_attention(impl, pool, meta, q, scale))
         mem = median([mem, read_bandwidth(args.repeats, huge_pages=True)])  # before and after the timings
-        row = {"dtype": dtype_name, "context": context, "threads": threads, "read_GBps": mem, "read_4k_GBps": mem_small,
+        row = {"dtype": dtype_name, "context": context, "threads": threads, "batch": args.batch,
+               "shared_prefix": args.shared_prefix, "groups": args.groups, "read_GBps": mem, "read_4k_GBps": mem_small,
                "kv_MB": kv_bytes / 1e6, "prefetch": tuned.tiles, "prefetch_tuning_ms": tuned.ms}
         for p in paths:
             t = median(times[p])
@@ -244,6 +256,9 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--queries", type=int, default=1, help="new tokens per sequence in the attention step")
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--batch", type=int, default=1, help="sequences in the attention step")
+    p.add_argument("--shared-prefix", type=int, default=0, help="keys each sequence holds in its group's common pages")
+    p.add_argument("--groups", type=int, default=1, help="groups of sequences that share a prefix")
     p.add_argument("--placement", default="consecutive", choices=["consecutive", "random"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--page-size", type=int, default=16)
@@ -265,9 +280,9 @@ def main() -> None:
     base = ["base ms", "base / read"] if args.baseline else []
     choices = cpu_paged_attention.PREFETCH_CHOICES
     text = table(
-        ["dtype", "context", "threads", "K/V MB", "read 4K GB/s", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
+        ["dtype", "context", "seqs", "shared", "threads", "K/V MB", "read 4K GB/s", "read GB/s", "torch ms", "torch GB/s", "cpp ms", "cpp GB/s",
          "cpp / read", "prefetch", *(f"pf{c} ms" for c in choices), *base],
-        [[r["dtype"], r["context"], r["threads"], r["kv_MB"], r["read_4k_GBps"], r["read_GBps"], r["torch_ms"], r["torch_GBps"],
+        [[r["dtype"], r["context"], r["batch"], f"{r['shared_prefix']} x{r['groups']}", r["threads"], r["kv_MB"], r["read_4k_GBps"], r["read_GBps"], r["torch_ms"], r["torch_GBps"],
           r["cpp_ms"], r["cpp_GBps"], f"{r['cpp_GBps'] / r['read_GBps']:.2f}", r["prefetch"],
           *(r[f"pf{c}_ms"] for c in choices)]
          + ([r["base_ms"], f"{r['base_GBps'] / r['read_GBps']:.2f}"] if args.baseline else []) for r in res["attention"]],
