@@ -87,3 +87,35 @@ def environ(name: str, value: str) -> Iterator[None]:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """The machine's (busy, total) CPU time in ticks since boot, from
+    /proc/stat's first line; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def wait_for_quiet(max_s: float = 5.0, window_s: float = 0.2, below: float = 0.25) -> float:
+    """Wait until the whole machine keeps fewer than `below` cores busy over
+    a window_s window, for at most max_s; the seconds waited. A benchmark
+    that serves each turn on every system in turn calls it before each turn:
+    vLLM's engine core spins about a core for a second after a request, so
+    without it the next system's turn began on a machine still busy with
+    the last one's. 0 at once where /proc/stat is missing or max_s <= 0."""
+    start = time.perf_counter()
+    cores = os.cpu_count() or 1
+    while time.perf_counter() - start < max_s:
+        a = _cpu_times()
+        if a is None:
+            break
+        time.sleep(window_s)
+        b = _cpu_times()
+        if b is None or b[1] == a[1] or (b[0] - a[0]) / (b[1] - a[1]) * cores < below:
+            break
+    return time.perf_counter() - start

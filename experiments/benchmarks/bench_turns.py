@@ -89,7 +89,7 @@ import torch
 from tqdm import tqdm
 
 from agentkv.cache.tokens import common_prefix_len
-from agentkv.experiments.common import SHAPES, machine, median, parse_systems, run_dir
+from agentkv.experiments.common import SHAPES, machine, median, parse_systems, run_dir, wait_for_quiet
 from agentkv.experiments.drivers import engine_local, hf, llamacpp, vllm
 from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
 from agentkv.experiments.drivers.engine_local import EngineSystem, warm_engine
@@ -169,16 +169,18 @@ def start_systems(systems: list[str], path: Path, tokenizer, reqs, args, log: Pa
     return live
 
 
-def replay(live: list[System], reqs, args, skipped: dict[str, str]) -> tuple[dict, dict, dict]:
+def replay(live: list[System], reqs, args, skipped: dict[str, str]) -> tuple[dict, dict, dict, dict]:
     """--repeats passes over the requests. Per system: its rows of each pass
     (None for a turn a from-scratch system did not sample), its wall time of
-    each pass, and the 1-minute load average before each of its turns."""
+    each pass, the 1-minute load average before each of its turns, and the
+    seconds each turn waited for a quiet machine (--settle)."""
     # Every request is served by every system (in an order that rotates from
     # turn to turn) before the next request, so that machine noise falls on
     # all of them alike rather than on whichever ran during a busy spell.
     per_repeat: dict[str, list[list[dict]]] = {x.name: [] for x in live}
     wall: dict[str, list[float]] = {x.name: [] for x in live}
     load: dict[str, list[float]] = {x.name: [] for x in live}
+    settle: dict[str, list[float]] = {x.name: [] for x in live}
     bar = tqdm(total=args.repeats * len(reqs) * len(live), desc="turns x systems", unit="turn")
     for rep in range(args.repeats):
         active = []
@@ -197,6 +199,7 @@ def replay(live: list[System], reqs, args, skipped: dict[str, str]) -> tuple[dic
                     per_repeat[x.name][-1].append(None)
                     bar.update()
                     continue
+                settle[x.name].append(wait_for_quiet(args.settle))
                 load[x.name].append(os.getloadavg()[0])
                 try:
                     per_repeat[x.name][-1].append(x.turn(r))
@@ -208,7 +211,7 @@ def replay(live: list[System], reqs, args, skipped: dict[str, str]) -> tuple[dic
             wall[x.name].append(sum(t["latency_s"] for t in per_repeat[x.name][-1] if t is not None))
             x.end()
     bar.close()
-    return per_repeat, wall, load
+    return per_repeat, wall, load, settle
 
 
 def sampled_turn(i: int, num_turns: int, every: int) -> bool:
@@ -216,7 +219,7 @@ def sampled_turn(i: int, num_turns: int, every: int) -> bool:
     return (i + 1) % every == 0 or i == num_turns - 1
 
 
-def summarize(per_repeat: dict, reqs, wall: dict, load: dict, info: dict) -> dict:
+def summarize(per_repeat: dict, reqs, wall: dict, load: dict, settle: dict, info: dict) -> dict:
     """Per system: each turn's medians over the repeats, and the totals."""
     results = {}
     for s, reps in per_repeat.items():
@@ -243,6 +246,7 @@ def summarize(per_repeat: dict, reqs, wall: dict, load: dict, info: dict) -> dic
             "decode_ms_per_token": median(decode_tok) * 1e3 if decode_tok else None,
             "info": info.get(s, {}),
             "load_avg_1min": {"median": median(load.get(s, [])), "max": max(load.get(s, []), default=None)},
+            "settle_s": {"median": median(settle.get(s, [])), "max": max(settle.get(s, []), default=None)},
         }
     return results
 
@@ -295,7 +299,7 @@ def run(args) -> dict:
         if why:
             skipped[s] = why
     live = start_systems(systems, path, tokenizer, reqs, args, out_dir / "peers.log", skipped)
-    per_repeat, wall, load = replay(live, reqs, args, skipped)
+    per_repeat, wall, load, settle = replay(live, reqs, args, skipped)
     info = {x.name: x.info for x in live}
     for x in live:
         try:
@@ -306,7 +310,7 @@ def run(args) -> dict:
     gc.collect()
     per_repeat = {k: v for k, v in per_repeat.items() if k not in skipped}
 
-    results = summarize(per_repeat, reqs, wall, load, info)
+    results = summarize(per_repeat, reqs, wall, load, settle, info)
     ref = "stateful" if "stateful" in results else next(iter(results), None)
     if ref is not None:
         compare(results, ref)
@@ -345,7 +349,7 @@ def report(res: dict) -> str:
     lines.append("")
     ref = res["reference"]
     heads = ["system", "e2e s", "wall s", f"e2e / {ref}", f"median turn ratio vs {ref}", "ratio of median turns",
-             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree", "load med/max"]
+             "computed tok", "prefill s", "decode s", "decode ms/tok", "greedy agree", "load med/max", "settle s med/max"]
     rows = []
     for s in systems:
         r = res["results"][s]
@@ -357,13 +361,16 @@ def report(res: dict) -> str:
                      r["computed_tokens"], pre, dec,
                      f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-",
                      f"{agree:.2f}" if agree is not None else "-",
-                     f"{r['load_avg_1min']['median']:.1f} / {r['load_avg_1min']['max']:.1f}"])
+                     f"{r['load_avg_1min']['median']:.1f} / {r['load_avg_1min']['max']:.1f}",
+                     f"{r['settle_s']['median']:.2f} / {r['settle_s']['max']:.2f}" if "settle_s" in r else "-"])
     lines.append(table(heads, rows))
     lines.append("")
     lines.append(f"e2e: sum of per-turn medians; wall: one pass over the workflow (median over repeats); ratios: "
                  f"system / {ref} (above 1: {ref} is faster); greedy agree: share of each turn's generated tokens "
                  f"equal to {ref}'s, before the first difference; load: the 1-minute load average before each of its turns, median / max (2 cores: "
-                 f"above 2 means other work shared them)")
+                 f"above 2 means other work shared them; it lags: the systems before it count); settle: seconds each "
+                 f"turn waited, untimed, for the machine to go quiet (under a quarter of a core busy) after the "
+                 f"system before it")
     sampled = [s for s in systems if s in FROM_SCRATCH_SYSTEMS]
     if res["args"].get("from_scratch_every", 1) > 1 and sampled:
         served = [r["turn"] for r, t in zip(res["requests"], res["results"][sampled[0]]["turns"]) if t["latency_s"] is not None]
@@ -423,6 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "with the engine (untimed), put its replies in place of the reference ones, then replay that "
                    "teacher-forced on every system (for a trained model such as models/agent-8m)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle", type=float, default=5.0, help="seconds each turn may wait, untimed, for the machine "
+                   "to go quiet after the system before it (0: none)")
     p.add_argument("--peer-timeout", type=float, default=None, help="seconds before a peer subprocess is killed")
     p.add_argument("--out", default=None, help="output folder (default runs/bench_turns-<time>)")
     p.add_argument("--no-wandb", action="store_true")
