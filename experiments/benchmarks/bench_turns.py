@@ -58,7 +58,9 @@ are served turn by turn over JSON lines. Then --repeats passes over the
 workflow, each system starting every pass from empty caches; within a pass
 every request is served by every system, in an order that rotates from turn
 to turn, before the next request, so that a busy spell on the shared cores
-falls on all systems alike. Per turn the median over repeats is reported;
+falls on all systems alike; before each turn it waits, untimed, for the
+machine to go quiet (--settle: vLLM's engine core spins on for about a
+second after a request, which the next system's turn would otherwise share). Per turn the median over repeats is reported;
 "e2e" is the sum of the per-turn medians. Ratios are system / stateful. All
 systems are resident at once: mind the memory (SmolLM2 shape, 6-turn, all
 nine systems: about 12 GB).
@@ -73,7 +75,7 @@ and --systems to bound it (e.g. --max-turns 12 --max-gen 32).
 
     python -m agentkv.experiments.benchmarks.bench_turns [--workflow 6|35] [--shape smollm2-135m | --model DIR]
         [--systems stateful,stateless,block,hf,hf-reuse,vllm-apc,vllm-noapc,vllm-server,llamacpp-keep,llamacpp-reset]
-        [--max-turns N] [--max-gen N] [--repeats 1] [--threads 2] [--dtype float32] [--out DIR]
+        [--max-turns N] [--max-gen N] [--repeats 1] [--threads 2] [--dtype float32] [--settle 5] [--out DIR]
 """
 from __future__ import annotations
 
