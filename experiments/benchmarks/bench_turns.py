@@ -60,8 +60,9 @@ every request is served by every system, in an order that rotates from turn
 to turn, before the next request, so that a busy spell on the shared cores
 falls on all systems alike; before each turn it waits, untimed, for the
 machine to go quiet (--settle: vLLM's engine core spins on for about a
-second after a request, which the next system's turn would otherwise share). Per turn the median over repeats is reported;
-"e2e" is the sum of the per-turn medians. Ratios are system / stateful. All
+second after a request, which the next system's turn would otherwise
+share). Per turn the median over repeats is reported; "e2e" is the sum of
+the per-turn medians. Ratios are system / stateful. All
 systems are resident at once: mind the memory (SmolLM2 shape, 6-turn, all
 nine systems: about 12 GB).
 
@@ -364,7 +365,7 @@ def report(res: dict) -> str:
                      f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-",
                      f"{agree:.2f}" if agree is not None else "-",
                      f"{r['load_avg_1min']['median']:.1f} / {r['load_avg_1min']['max']:.1f}",
-                     f"{r['settle_s']['median']:.2f} / {r['settle_s']['max']:.2f}" if "settle_s" in r else "-"])
+                     f"{r['settle_s']['median']:.2f} / {r['settle_s']['max']:.2f}"])
     lines.append(table(heads, rows))
     lines.append("")
     lines.append(f"e2e: sum of per-turn medians; wall: one pass over the workflow (median over repeats); ratios: "
