@@ -4,6 +4,7 @@ subprocess as each of its systems (vLLM skipped); checks the JSON."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -124,7 +125,8 @@ def test_vllms_kv_line_is_the_last_servers(tmp_path):
 
 def _row(system: str, repeat: int, job: float, errors: int = 0) -> dict:
     return {"system": system, "agents": 16, "fraction": 0.3, "repeat": repeat, "job_s_median": job,
-            "job_s_p90": job + 1, "turn_s_p50": job / 10, "wall_s": job + 5, "errors": ["e"] * errors,
+            "job_s_p90": job + 1, "first_request_s_median": job / 2, "later_requests_s_median": job / 4,
+            "turn_s_p50": job / 10, "wall_s": job + 5, "errors": ["e"] * errors,
             "prefix_hits": 9.0, "prefix_queries": 10.0}
 
 
@@ -141,3 +143,22 @@ def test_repeats_give_medians_and_the_median_of_each_repeats_ratio():
     assert theirs["hit_rate"] == 0.9
     assert [r[0] for r in bench_agents.repeat_rows([ours, theirs])] == ["agentkv", "vllm-apc"]
     assert bench_agents.label(rows[2]) == "agentkv r1" and bench_agents.label(rows[0]) == "agentkv"
+
+
+def test_a_jobs_first_request_and_its_later_ones_are_told_apart():
+    # Per agent: its first request's latency, and the sum of its later ones'; then the median over
+    # agents. An agent whose job failed counts in neither (as in job s p50).
+    from agentkv.experiments.workloads.agent_runs import AgentRecord, TurnRecord, summarize
+
+    def agent(name, latencies, error=None):
+        turns = [TurnRecord(name, i, lat, 0.0) for i, lat in enumerate(latencies)]
+        turns[-1].error = error
+        return AgentRecord(name, 2, sum(latencies), turns)
+
+    s = summarize([agent("a", [10.0, 1.0, 2.0]), agent("b", [12.0, 4.0]), agent("c", [20.0, 1.0, 1.0, 1.0]),
+                   agent("d", [30.0, 9.0], error="HTTP 500")], wall_s=40.0)
+    assert s["first_request_s_median"] == 12.0  # of 10, 12, 20
+    assert s["later_requests_s_median"] == 3.0  # of 3, 4, 3
+    assert s["job_s_median"] == 16.0  # of 13, 16, 23
+    empty = summarize([], wall_s=1.0)
+    assert math.isnan(empty["first_request_s_median"]) and math.isnan(empty["later_requests_s_median"])

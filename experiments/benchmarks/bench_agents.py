@@ -121,7 +121,8 @@ def start_agentkv(system: str, args: argparse.Namespace, budget: dict, log: Path
     flags = ["--dtype", args.dtype, "--kv-cache-gb", repr(budget["tokens"] * budget["token_bytes"] / 2**30),
              "--kv-retention", "lru" if system == "agentkv-lru" else "tool",
              "--kv-offload-gb", repr(budget["tier_bytes"] / 2**30),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-constrain-auto",
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+             "--prefill-chunk", str(args.prefill_chunk), "--no-constrain-auto",
              "--served-model-name", "bench"]
     if system != "agentkv":
         flags.append("--no-program-admission")
@@ -176,7 +177,8 @@ def start_vllm(args: argparse.Namespace, budget: dict, log: Path) -> ServerProce
     # good (its null block): one more leaves `blocks` usable.
     kv_gb = math.ceil((blocks + 1) * BLOCK * budget["token_bytes"] / 2**30)
     extra = ["--enforce-eager", "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks + 1),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0"]
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+             "--seed", "0"]
     return start_vllm_server(args.model, threads=args.threads, dtype=args.dtype, kv_gb=kv_gb,
                              max_model_len=budget["max_model_len"], served_model_name="bench", extra_args=extra, log=log)
 
@@ -276,7 +278,7 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "end state ok",
            "job s p50",
-           "job s p90", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored",
+           "job s p90", "1st request s p50", "later requests s p50 (per job)", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored",
            "hit rate", "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s",
            "replies = first"]
 TIMELINE_HEADERS = ["system", "agents", "KV / working set", "turns", "queued s p50", "prefill s p50", "decode s p50",
@@ -298,7 +300,7 @@ def table_rows(rows: list[dict]) -> list[list]:
             f"{r['tokens']}/{r['working_set_tokens']} ({r['headroom']:.0%}; {r['tokens'] / r['distinct_tokens']:.0%})",
             f"{r['kv_bytes'] / 1e6:.1f}", f"{r['completed_turns']}/{r['planned_turns']}", len(r["errors"]),
             f"{r['jobs_passed']}/{r['jobs_checked']}" if r["jobs_checked"] else "-", fmt(r["job_s_median"]),
-            fmt(r["job_s_p90"]),
+            fmt(r["job_s_p90"]), fmt(r["first_request_s_median"]), fmt(r["later_requests_s_median"]),
             fmt(r["turn_s_p50"], ".2f"), fmt(r["turn_s_p90"], ".2f"), r["prompt_tokens"], r["reused_tokens"],
             fmt(r["computed_server"], ".0f"), fmt(r["recomputed_tokens"], ".0f"), fmt(r["restored_tokens"], ".0f"),
             fmt(hit, ".2f"),
@@ -340,6 +342,8 @@ def over_repeats(rows: list[dict]) -> list[dict]:
         out.append({"system": system, "agents": agents, "fraction": fraction, "repeats": len(runs),
                     "first": first[agents, fraction], "job_s_median": med("job_s_median"),
                     "job_s_each": [r["job_s_median"] for r in runs], "job_s_p90": med("job_s_p90"),
+                    "first_request_s_median": med("first_request_s_median"),
+                    "later_requests_s_median": med("later_requests_s_median"),
                     "turn_s_p50": med("turn_s_p50"), "wall_s": med("wall_s"),
                     "errors": sum(len(r["errors"]) for r in runs),
                     "hit_rate": statistics.median(r["prefix_hits"] / r["prefix_queries"] if r["prefix_queries"]
@@ -349,13 +353,15 @@ def over_repeats(rows: list[dict]) -> list[dict]:
 
 
 REPEAT_HEADERS = ["system", "agents", "KV / working set", "repeats", "job s p50 (median)", "job s p50 each",
-                  "job s p90 (median)", "turn s p50 (median)", "wall s (median)", "errors", "hit rate",
+                  "job s p90 (median)", "1st request s p50 (median)", "later requests s p50 (median)",
+                  "turn s p50 (median)", "wall s (median)", "errors", "hit rate",
                   "job p50 / first's"]
 
 
 def repeat_rows(summary: list[dict]) -> list[list]:
     return [[s["system"], s["agents"], f"{s['fraction']:.0%}", s["repeats"], fmt(s["job_s_median"]),
-             " ".join(fmt(x) for x in s["job_s_each"]), fmt(s["job_s_p90"]), fmt(s["turn_s_p50"], ".2f"),
+             " ".join(fmt(x) for x in s["job_s_each"]), fmt(s["job_s_p90"]), fmt(s["first_request_s_median"]),
+             fmt(s["later_requests_s_median"]), fmt(s["turn_s_p50"], ".2f"),
              fmt(s["wall_s"]), s["errors"], fmt(s["hit_rate"], ".2f"), f"{fmt(s['ratio_to_first'], '.2f')}x"]
             for s in summary]
 
@@ -445,6 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every server")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every server's tokens per step")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="our servers' prompt chunk")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="every server's requests per step")
     p.add_argument("--model", type=Path, default=ROOT / "models" / "agent-8m")
     p.add_argument("--out", default=None, help="run folder (default runs/bench_agents-<time>)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every cell, the systems in turn within each")

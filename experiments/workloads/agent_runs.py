@@ -224,6 +224,11 @@ def summarize(records: list[AgentRecord], wall_s: float) -> dict:
     many passed. A turn is a user turn; it may take several requests."""
     turns = [t for r in records for t in r.turns if not t.error]
     jobs = [r.job_s for r in records if not r.errors]
+    # A job's first request computes its shared system prompt on every
+    # system; its later ones are where kept KV pays: their sum per agent.
+    whole = [r for r in records if not r.errors and r.turns]
+    firsts = [r.turns[0].latency_s for r in whole]
+    laters = [sum(t.latency_s for t in r.turns[1:]) for r in whole]
     pauses = [t.pause_s for t in turns if t.pause_s > 0]
     prompt = sum(t.prompt_tokens for t in turns)
     cached = sum(t.cached_tokens for t in turns)
@@ -238,6 +243,8 @@ def summarize(records: list[AgentRecord], wall_s: float) -> dict:
         "errors": [e for r in records for e in r.errors],
         "job_s_median": statistics.median(jobs) if jobs else float("nan"),
         "job_s_p90": p90(jobs),
+        "first_request_s_median": statistics.median(firsts) if firsts else float("nan"),
+        "later_requests_s_median": statistics.median(laters) if laters else float("nan"),
         "turn_s_p50": statistics.median([t.latency_s for t in turns]) if turns else float("nan"),
         "turn_s_p90": p90([t.latency_s for t in turns]),
         "pause_s_total": sum(pauses),
