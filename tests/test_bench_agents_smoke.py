@@ -141,6 +141,7 @@ def test_repeats_give_medians_and_the_median_of_each_repeats_ratio():
     assert theirs["first"] == "agentkv" and theirs["job_s_each"] == [30.0, 30.0, 10.0]
     assert theirs["job_s_median"] == 30.0 and theirs["ratio_to_first"] == 2.0 and theirs["errors"] == 1
     assert theirs["hit_rate"] == 0.9
+    assert (theirs["first_request_s_median"], theirs["later_requests_s_median"]) == (15.0, 7.5)  # 30 / 2, 30 / 4
     assert [r[0] for r in bench_agents.repeat_rows([ours, theirs])] == ["agentkv", "vllm-apc"]
     assert bench_agents.label(rows[2]) == "agentkv r1" and bench_agents.label(rows[0]) == "agentkv"
 

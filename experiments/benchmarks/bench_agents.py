@@ -277,10 +277,9 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 HEADERS = ["system", "agents", "KV tokens / working set (/ distinct)", "KV MB", "turns done", "errors", "end state ok",
-           "job s p50",
-           "job s p90", "1st request s p50", "later requests s p50 (per job)", "turn s p50", "turn s p90", "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored",
-           "hit rate", "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s",
-           "replies = first"]
+           "job s p50", "job s p90", "1st request s p50", "later requests s p50 (per job)", "turn s p50", "turn s p90",
+           "prompt tok", "reused (usage)", "computed (server)", "recomputed", "restored", "hit rate",
+           "preemptions (repeats)", "admission waits", "offload MB / s", "restore MB / s", "replies = first"]
 TIMELINE_HEADERS = ["system", "agents", "KV / working set", "turns", "queued s p50", "prefill s p50", "decode s p50",
                     "other s p50", "queued s all", "prefill s all", "decode s all", "other s all"]
 
