@@ -9,6 +9,7 @@ import math
 import pytest
 
 from agentkv.experiments.benchmarks import bench_agents
+from agentkv.experiments.workloads.agent_runs import AgentRecord, TurnRecord, summarize
 
 SYSTEMS = ["agentkv", "agentkv-noadmit", "agentkv-lru"]
 
@@ -149,8 +150,6 @@ def test_repeats_give_medians_and_the_median_of_each_repeats_ratio():
 def test_a_jobs_first_request_and_its_later_ones_are_told_apart():
     # Per agent: its first request's latency, and the sum of its later ones'; then the median over
     # agents. An agent whose job failed counts in neither (as in job s p50).
-    from agentkv.experiments.workloads.agent_runs import AgentRecord, TurnRecord, summarize
-
     def agent(name, latencies, error=None):
         turns = [TurnRecord(name, i, lat, 0.0) for i, lat in enumerate(latencies)]
         turns[-1].error = error

@@ -40,6 +40,7 @@ from functools import partial
 from typing import Callable
 
 from agentkv.cache.tokens import common_prefix_len
+from agentkv.experiments.common import median
 from agentkv.experiments.drivers.replay import prepare_requests
 from agentkv.experiments.drivers.system import kv_tokens_needed
 from agentkv.experiments.workloads.live_replay import as_message
@@ -241,11 +242,11 @@ def summarize(records: list[AgentRecord], wall_s: float) -> dict:
         "jobs_passed": sum(checked) if checked else None,
         "jobs_checked": len(checked),
         "errors": [e for r in records for e in r.errors],
-        "job_s_median": statistics.median(jobs) if jobs else float("nan"),
+        "job_s_median": median(jobs),
         "job_s_p90": p90(jobs),
-        "first_request_s_median": statistics.median(firsts) if firsts else float("nan"),
-        "later_requests_s_median": statistics.median(laters) if laters else float("nan"),
-        "turn_s_p50": statistics.median([t.latency_s for t in turns]) if turns else float("nan"),
+        "first_request_s_median": median(firsts),
+        "later_requests_s_median": median(laters),
+        "turn_s_p50": median([t.latency_s for t in turns]),
         "turn_s_p90": p90([t.latency_s for t in turns]),
         "pause_s_total": sum(pauses),
         "pause_s_min": min(pauses, default=0.0),
