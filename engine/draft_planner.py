@@ -18,7 +18,7 @@ class DraftPlanner:
 
     def draft(self, req: Request) -> list[int]:
         """req's draft for its next step; observed where req speculates."""
-        if not req.speculative:
+        if not req.speculative or not self.drafters.enabled:
             return []
         if not self.observers:  # timed only for someone watching: this runs every step
             return self._draft(req)

@@ -2,7 +2,9 @@
 
 - "ngram": prompt lookup over the session's own history (spec.ngram), the baseline;
 - "suffix": suffix trees over the session's history and over the recent
-  outputs of every session in its namespace (spec.suffix).
+  outputs of every session in its namespace (spec.suffix);
+- "none": no speculation: every step decodes one token per request, as a
+  server without a speculative config does (the fair baseline against one).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from agentkv.spec.drafter import Drafter
 from agentkv.spec.ngram import NGramDrafter
 from agentkv.spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
 
-KINDS = ("ngram", "suffix")
+KINDS = ("ngram", "suffix", "none")
 
 
 class Drafters:
@@ -28,6 +30,7 @@ class Drafters:
         if kind not in KINDS:
             raise ValueError(f"drafter must be one of {KINDS}, got {kind!r}")
         self.kind, self.forced, self.schema = kind, forced, schema
+        self.enabled = kind != "none"
         # owner: whose namespace it is (the engine's tenants): max_namespaces is per owner.
         self.outputs = OutputTrees(max_output_tokens, max_namespaces, owner=owner) if kind == "suffix" else None
         # One bound over every session's tree, whatever the number of sessions.
