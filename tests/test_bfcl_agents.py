@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("bfcl_eval")
 
 from agentkv.experiments.workloads.agent_runs import Pauses, Reply, run_all, summarize  # noqa: E402
-from agentkv.experiments.workloads.bfcl_agents import (_parsed_call, kv_budget, pick_agents,  # noqa: E402
+from agentkv.experiments.workloads.bfcl_agents import (parsed_call, kv_budget, pick_agents,  # noqa: E402
                                                        reference_messages, run_bfcl_agent)
 from agentkv.model.default import small_model_dir  # noqa: E402
 from agentkv.model.loader import load_tokenizer  # noqa: E402
@@ -23,7 +23,7 @@ def ground_truth_client(agents):
         a = by_name[agent]
         turn = sum(m["role"] == "user" for m in messages) - 1
         calls = a.ground_truth[turn] if messages[-1]["role"] == "user" else []
-        parsed = [dict(zip(("name", "arguments"), _parsed_call(c)), id=f"c{turn}_{i}") for i, c in enumerate(calls)]
+        parsed = [dict(zip(("name", "arguments"), parsed_call(c)), id=f"c{turn}_{i}") for i, c in enumerate(calls)]
         return Reply(None if parsed else "Done.", parsed, 100 * len(messages), 10, "tool_calls" if parsed else "stop",
                      completion_tokens=5)
 

@@ -87,7 +87,7 @@ def pick_agents(n: int, turns: int, seed: int, roles: tuple[str, ...] = DEFAULT_
     return agents
 
 
-def _parsed_call(call: str) -> tuple[str, dict]:
+def parsed_call(call: str) -> tuple[str, dict]:
     """A ground-truth call string, name(k=v, ...), as (name, arguments)."""
     node = ast.parse(call, mode="eval").body
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
@@ -109,7 +109,7 @@ def reference_messages(agent: BfclAgent, reply: str = "Done.") -> list[dict]:
             ids = [f"ref{t}_{i}" for i in range(len(calls))]
             messages.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": i, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-                for i, (name, args) in zip(ids, map(_parsed_call, calls))]})
+                for i, (name, args) in zip(ids, map(parsed_call, calls))]})
             messages += [{"role": "tool", "content": str(r), "tool_call_id": i} for i, r in zip(ids, results)]
         messages.append({"role": "assistant", "content": reply})
     return messages
