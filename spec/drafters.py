@@ -14,7 +14,8 @@ from agentkv.spec.drafter import Drafter
 from agentkv.spec.ngram import NGramDrafter
 from agentkv.spec.suffix import MAX_SESSION_NODES, NodeBudget, OutputTrees, SuffixDrafter
 
-KINDS = ("ngram", "suffix", "none")
+DRAFTING = ("ngram", "suffix")
+KINDS = DRAFTING + ("none",)
 
 
 class Drafters:

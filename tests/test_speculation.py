@@ -12,7 +12,7 @@ from agentkv.engine.step_observer import StepObserver
 from agentkv.engine.structured import request_grammar
 from agentkv.model.default import SMALL_MODEL_DIR, random_init
 from agentkv.model.sampler import SamplingParams, make_generator, probs_from_logits
-from agentkv.spec.drafters import KINDS
+from agentkv.spec.drafters import DRAFTING
 from agentkv.spec.schema_phrases import continuations, schema_phrases
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
     return path
 
 
-@pytest.fixture(params=KINDS)
+@pytest.fixture(params=DRAFTING)
 def engine(ckpt, request):
     return Engine.from_pretrained(ckpt, page_size=8, num_pages=96, drafter=request.param)
 
@@ -356,7 +356,7 @@ def default_model():
     return eng.model, eng.tokenizer
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DRAFTING)
 def test_grammar_forced_drafts_end_exactly_at_a_stop_at_max_tokens_and_at_the_grammar_end(default_model, kind):
     engine = Engine(*default_model, num_pages=256, drafter=kind)
     grammar = request_grammar(engine, TOOL, "required", parallel_tool_calls=False)
@@ -383,6 +383,24 @@ def test_grammar_forced_drafts_end_exactly_at_a_stop_at_max_tokens_and_at_the_gr
         assert out == plain[: plain.index(stop) + 1] and reason == "stop" and ok
 
 
+def test_drafter_none_never_speculates_not_even_forced_tokens(default_model):
+    """--drafter none: a request that asks to speculate decodes one token a
+    step, under a grammar too (no forced drafts), with the same output."""
+    engine = Engine(*default_model, num_pages=256, drafter="none")
+    grammar = request_grammar(engine, TOOL, "required", parallel_tool_calls=False)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Read src/app.py."}], tools=TOOL)
+    outs = []
+    for speculative in (False, True):
+        with engine.session() as s:
+            s.append(prompt)
+            outs.append(s.generate(max_tokens=60, grammar=grammar, speculative=speculative))
+            st = engine.stats[-1]
+            assert st.drafted_tokens == 0 and st.forced_tokens == 0 and st.decode_steps == len(outs[-1]) - 1
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        Engine(*default_model, num_pages=16, drafter="eagle")
+
+
 MODES_TOOL = [{"type": "function", "function": {"name": "set_mode", "parameters": {
     "type": "object", "required": ["mode"],
     "properties": {"mode": {"enum": ["careful", "reckless", "balanced"]}, "dry_run": {"type": "boolean"},
@@ -400,7 +418,7 @@ def test_schema_phrases_and_their_continuations(default_model):
         p[1] for p in phrases if p[:1] == tuple(key[:1]))]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DRAFTING)
 def test_schema_drafts_keep_greedy_output_identical(kind):
     """With a drafter that never finds anything, what is drafted past the
     grammar's forced tokens is the schema's names. The trained agent model:
