@@ -59,7 +59,8 @@ def serve(argv: list[str]) -> None:
                              "template-faithful re-renders the history and reuses up to the first differing token")
     parser.add_argument("--drafter", choices=KINDS, default="suffix",
                         help="speculation's draft source: suffix trees over the session and its namespace's recent "
-                             "outputs, or ngram prompt lookup over the session alone (docs/bench_spec.md)")
+                             "outputs, ngram prompt lookup over the session alone (docs/bench_spec.md), or none: "
+                             "no speculation (one token per request a step, grammar-forced drafts included)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every step eagerly (default on a CUDA device: decode and fixed-length verify "
                              "steps replay CUDA graphs, engine/decode_graphs.py)")
@@ -126,6 +127,11 @@ def serve(argv: list[str]) -> None:
                     help="host memory for KV that leaves the pool, in addition to --kv-cache-gb (0: none; evicted "
                          "KV is dropped). Default: on a GPU %g; on a CPU none, or half of --kv-cache-gb with "
                          "--state-dir (which writes KV through the tier)" % (DEFAULT_KV_OFFLOAD_BYTES / 2**30))
+    kv.add_argument("--prefix-match", choices=("token", "block"), default="token",
+                    help="token: a request reuses cached KV up to its first differing token; block: whole pages "
+                         "only, as block-hash prefix caches (vLLM's) do (the ablation)")
+    kv.add_argument("--page-size", type=int, default=16,
+                    help="tokens per KV page: the unit of allocation, and of reuse under --prefix-match block")
     kv.add_argument("--no-program-admission", action="store_true",
                     help="admit every request at once; by default an agent's turns are one program, admitted "
                          "whole only while the admitted programs' KV fits the pool and the host tier")
@@ -186,7 +192,8 @@ def serve(argv: list[str]) -> None:
         program_admission=not args.no_program_admission, kv_offload_bytes=tier_bytes,
         kv_offload_dir=args.kv_offload_dir or (Path(args.state_dir) / "kv" if args.state_dir else None),
         kv_offload_disk_bytes=int(args.kv_offload_disk_gb * 2**30), kv_offload_codec=args.kv_offload_codec,
-        kv_resume=not args.shared_state, drafter=args.drafter, decode_graphs=False if args.enforce_eager else None)
+        kv_resume=not args.shared_state, drafter=args.drafter, prefix_match=args.prefix_match,
+        page_size=args.page_size, decode_graphs=False if args.enforce_eager else None)
     log.info("serving %r on http://%s:%d/v1 (%d KV pages of %d tokens)", name, args.host, args.port,
              engine.pool.num_pages, engine.pool.page_size)
     if args.state_dir and engine.tier is None:
