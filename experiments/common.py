@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -58,14 +59,29 @@ def run_dir(name: str, out: str | Path | None = None) -> Path:
     return path
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
 def machine() -> dict:
+    """The host as a report states it: CPU model and vector ISA (as lscpu shows them), cores, versions, commit."""
+    info = {"model name": platform.processor() or platform.machine(), "cpu family": "", "model": "", "flags": ""}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in info and value.strip():
+                info[key.strip()] = value.strip()
+    flags = set(info["flags"].split())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent.parent,
+                            capture_output=True, text=True).stdout.strip()
     return {
         "argv": sys.argv,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": f"{info['model name']} (family {info['cpu family']} model {info['model']})",
+        "isa": [f for f in ISA_FLAGS if f in flags],
         "cores": os.cpu_count(),
+        "commit": commit or None,
     }
 
 

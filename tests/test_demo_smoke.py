@@ -1,11 +1,10 @@
-"""Smoke tests of the main job (serve.py demo) at a tiny scale, under KV
-pressure: BFCL's agents (the default workload) and the generated ones.
-Every system finishes every turn with the same KV bytes and no host tier,
-the stateful engine computes fewer tokens than re-prefilling every turn, and
-the run's folder holds its table, JSON and timeline."""
+"""The main job (serve.py demo) is a preset of the replay benchmark: its
+flags map onto bench_replay's, and a tiny run of it (two long-context BFCL
+agents on the 8M model) finishes with identical streams on both systems
+and a report that states its conditions."""
 from __future__ import annotations
 
-import json
+import argparse
 
 import pytest
 
@@ -13,56 +12,42 @@ from agentkv.experiments.benchmarks import demo
 from agentkv.model.default import SMALL_MODEL_DIR
 
 
-def check_rows(res: dict, turns: int) -> dict:
-    rows = {r["system"]: r for r in res["rows"]}
-    assert list(rows) == list(demo.SYSTEMS)
-    for r in rows.values():
-        assert r["completed_turns"] == r["planned_turns"] == turns
-        assert r["errors"] == []
-        assert r["job_s_median"] > 0 and r["host_tier_bytes"] == 0
-    # Equal memory: every system the same KV bytes, no host tier beside any.
-    assert len({r["kv_bytes"] for r in rows.values()}) == 1
-    stateless, stateful = rows["stateless"], rows["stateful"]
-    assert stateless["reused_tokens"] == 0 and stateless["computed_tokens"] >= stateless["prompt_tokens"]
-    assert 0 < stateful["computed_tokens"] < stateless["computed_tokens"]
-    return rows
+def argv_of(**overrides) -> list[str]:
+    defaults = {"agents": 8, "fraction": 0.5, "repeats": 1, "max_tokens": 32, "pause_scale": 1.0,
+                "max_positions": 16384, "dtype": "auto", "model": None, "threads": 2, "seed": 0, "full": False,
+                "peers": [], "out": None}
+    return demo.replay_argv(argparse.Namespace(**(defaults | overrides)))
 
 
-def test_bfcl_agents_default_workload(tmp_path, capsys):
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_default_job_is_the_stateful_engine_against_block_hashing_at_half_the_distinct_tokens():
+    argv = argv_of()
+    assert flag(argv, "--family") == "bfcl-long" and flag(argv, "--roles") == demo.ROLES
+    assert flag(argv, "--systems") == "agentkv,agentkv-block16"
+    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("8", "0.5", "1")
+    assert "--model" not in argv and "--out" not in argv
+
+
+def test_full_sweeps_every_ablation_and_peers_add_vllm():
+    argv = argv_of(full=True)
+    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("8,16,32", "0.25,0.5,1.0",
+                                                                                            "3")
+    systems = flag(argv, "--systems").split(",")
+    assert systems[0] == "agentkv" and "agentkv-lru" in systems and "agentkv-block128" in systems
+    assert "vllm" not in systems and "vllm" in flag(argv_of(full=True, peers=["vllm"]), "--systems").split(",")
+    assert flag(argv_of(peers=["vllm"]), "--systems") == "agentkv,agentkv-block16,vllm"
+    assert flag(argv_of(model="m", out="o"), "--model") == "m"
+
+
+def test_a_tiny_demo_runs(tmp_path, capsys):
     pytest.importorskip("bfcl_eval")
-    res = demo.main(["--model", str(SMALL_MODEL_DIR), "--agents", "2", "--turns-per-agent", "1", "--max-tokens", "24",
-                     "--pause-scale", "0.01", "--kv-fraction", "0.6", "--systems", ",".join(demo.SYSTEMS),
-                     "--out", str(tmp_path)])
+    res = demo.main(["--model", str(SMALL_MODEL_DIR), "--agents", "2", "--fraction", "1.0", "--max-tokens", "4",
+                     "--pause-scale", "0.01", "--dtype", "float32", "--threads", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "2 agents at once: BFCL v4 multi_turn_base agents (1 x GorillaFileSystem, 1 x TradingBot)" in out
-    assert "no host tier" in out
-    rows = check_rows(res, 2)
-    for r in rows.values():
-        assert r["jobs_checked"] == 2 and r["requests"] >= 2
-    assert json.loads((tmp_path / "results.json").read_text()) == res
-    assert set(res["records"]) == set(demo.SYSTEMS)
-    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "report.txt").exists()
-
-
-def test_generated_agents(tmp_path, capsys):
-    res = demo.main(["--workload", "generated", "--agents", "3", "--turns-per-agent", "2", "--max-tokens", "8",
-                     "--pause-scale", "0.02", "--kv-fraction", "0.6", "--systems", ",".join(demo.SYSTEMS),
-                     "--out", str(tmp_path)])
-    assert "3 agents at once: generated agents" in capsys.readouterr().out
-    rows = check_rows(res, 6)
-    # Same replies on every system (greedy, fp32), so the same prompts.
-    assert len({r["prompt_tokens"] for r in rows.values()}) == 1
-
-
-def test_full_sweeps_every_cell(tmp_path, monkeypatch):
-    # --full runs the grid of agents x pool fractions (8/16/32 x 30/50/100%); here a small grid.
-    monkeypatch.setattr(demo, "FULL_AGENTS", (2,))
-    monkeypatch.setattr(demo, "FULL_FRACTIONS", (0.6, 1.0))
-    res = demo.main(["--model", str(SMALL_MODEL_DIR), "--workload", "generated", "--full", "--turns-per-agent", "1",
-                     "--max-tokens", "4", "--pause-scale", "0", "--systems", "stateful,block-hash", "--out", str(tmp_path)])
-    assert [(c["agents"], c["fraction"]) for c in res["cells"]] == [(2, 0.6), (2, 1.0)]
-    for cell in res["cells"]:
-        assert [r["system"] for r in cell["rows"]] == ["stateful", "block-hash"]
-        assert all(r["completed_turns"] == r["planned_turns"] == 2 for r in cell["rows"])
-        assert (tmp_path / f"timeline-2-{cell['fraction']:g}.png").stat().st_size > 0
-    assert res["cells"][0]["tokens"] < res["cells"][1]["tokens"]
+    assert "C++ CPU kernels for" in out and "request streams identical across systems: yes" in out
+    assert [r["system"] for r in res["rows"]] == ["agentkv", "agentkv-block16"]
+    assert all(r["errors"] == [] and r["requests"] == r["planned_turns"] for r in res["rows"])
+    assert (tmp_path / "report.txt").exists() and (tmp_path / "bench_replay.png").stat().st_size > 0

@@ -3,6 +3,7 @@ once in Hugging Face layout with the project's tokenizer, so that every
 system (this engine, HF, vLLM, llama.cpp) loads the same weights."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -54,4 +55,27 @@ def prepare_checkpoint(shape: str, seed: int = 0, root: Path | None = None) -> P
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+    return path
+
+
+def with_positions(src: Path, positions: int) -> Path:
+    """The checkpoint at src (an HF directory) with max_position_embeddings
+    raised to `positions`, its other files linked: the same weights, served
+    past the context they were trained for. A replay measures serving, not
+    answers, so every system gets this same directory. src itself where it
+    already has that many positions."""
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg["max_position_embeddings"] >= positions:
+        return src
+    path = src.with_name(f"{src.name}-pos{positions}")
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name != "config.json":
+                (tmp / f.name).symlink_to(f.resolve())
+        (tmp / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": positions}, indent=2))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
     return path

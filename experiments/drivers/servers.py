@@ -141,14 +141,15 @@ class ServerProcess(_Server):
 
 def start_engine_server(model: str | Path | None = None, *, port: int | None = None, threads: int | None = None,
                         extra_args: Sequence[str] = (), log: Path | None = None,
-                        startup_timeout: float = 300.0) -> ServerProcess:
+                        startup_timeout: float = 300.0, env: dict[str, str] | None = None) -> ServerProcess:
     """This engine's server (python serve.py --port P [--model DIR] ...extra_args:
     serve.py's flags, e.g. --kv-cache-gb, --max-num-seqs) on 127.0.0.1.
-    threads: OMP_NUM_THREADS, torch's intra-op threads (default: all cores)."""
+    threads: OMP_NUM_THREADS, torch's intra-op threads (default: all cores);
+    env: more of its environment (e.g. AGENTKV_KERNELS=torch)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "agentkv.serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", str(model)] if model else []
-    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
     return ServerProcess(cmd + list(extra_args), port, env=env, log=log, startup_timeout=startup_timeout,
                          name="agentkv-server")
 

