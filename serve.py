@@ -82,8 +82,9 @@ def serve(argv: list[str]) -> None:
     limits.add_argument("--max-queue", type=int, default=defaults.max_queue,
                         help="waiting requests; past it a request gets 429 with Retry-After")
     limits.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
-                        help="live sessions; past it the requester's longest idle one is closed, never another "
-                             "tenant's (429 when it has none)")
+                        help="live named sessions, every tenant's together (a turn's working copy, a request "
+                             "without a session and stored responses do not count); at it a new one is a 429 "
+                             "naming this limit, and no session is ever closed to make room")
     limits.add_argument("--session-idle-timeout", type=float, default=3600.0,
                         help="seconds after which an idle session is closed (its KV offered to the prefix cache first); "
                              "named sessions and stored responses only leave the pool, their records kept")

@@ -203,14 +203,17 @@ class Engine:
         return cls(model, tokenizer, **kwargs)
 
     def session(self, namespace: str = "default", pin_ttl: float | None | str = "default", *,
-                tokens: list[int] = (), key: str | None = None) -> Session:
+                tokens: list[int] = (), key: str | None = None, counted: bool = True) -> Session:
         """A persistent conversation in namespace (a tenant's cache salt: no
         KV is shared across namespaces). pin_ttl: seconds its pages stay
         pinned while idle (None: always), default the engine's. A session
         resumed after a restart passes its tokens (held, not computed: its
-        next request restores what the second tier has under key)."""
+        next request restores what the second tier has under key).
+        counted: it counts against limits.max_sessions (TooManySessionsError
+        at the limit); False for a request's own sequence or a stored
+        response's, which the queue and the response store bound."""
         ttl = self.pin_ttl if pin_ttl == "default" else pin_ttl
-        return Session(self._session_context, self.sequences.new(namespace, ttl, tokens, key=key))
+        return Session(self._session_context, self.sequences.new(namespace, ttl, tokens, key=key, counted=counted))
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters and page usage."""

@@ -48,7 +48,12 @@ class QueueFullError(EngineError):
 
 
 class TooManySessionsError(EngineError):
-    """Every live session is busy and the session limit is reached."""
+    """The engine holds its limit of live sessions (Limits.max_sessions); none
+    is made until one is closed."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the engine holds its limit of {limit} live sessions; close one first")
+        self.limit = limit
 
 
 class PoolTooSmallError(KVCapacityError, ContextLengthError):

@@ -16,7 +16,10 @@ class Limits:
     # chunk waits for a step with room for all of it.
     prefill_chunk: int = 512
     max_queue: int = 1024  # waiting requests; past it a submission is refused (429)
-    max_sessions: int = 4096  # live sessions; past it the owner's longest idle is closed (429 if none)
+    # Live sessions (a server's named sessions and their forks), not a turn's
+    # working sequence nor a stored response's: at it a new one is refused
+    # (TooManySessionsError, a 429) and none is closed to make room.
+    max_sessions: int = 4096
     session_idle_timeout: float | None = None  # seconds; idle sessions past it are closed
     # The longest pin a client may ask for (POST /v1/sessions/{id}/retain, and
     # what one without seconds gets): a pin never outlives it, so no client's

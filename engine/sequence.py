@@ -55,6 +55,10 @@ class Sequence:
     # response): past the idle timeout its KV leaves the pool, but it stays
     # open for the record's next turn.
     kept: bool = False
+    # It counts against the session limit (Limits.max_sessions): not a turn's
+    # working sequence nor a stored response's, which the queue and the
+    # response store bound.
+    counted: bool = True
     # Its pending tokens are what its next turn is known to begin with: the
     # scheduler computes them when it has nothing else to do (pre-positioning).
     preposition_pending: bool = False

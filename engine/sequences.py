@@ -24,7 +24,7 @@ from agentkv.cache.pool import PagePool
 from agentkv.engine.errors import SessionBusyError, SessionClosedError, TooManySessionsError
 from agentkv.engine.fair_lock import FairLock
 from agentkv.engine.kv_policy import KVPolicy
-from agentkv.engine.sequence import Sequence, owner_of
+from agentkv.engine.sequence import Sequence
 
 
 class Sequences:
@@ -42,23 +42,21 @@ class Sequences:
 
     def new(
         self, namespace: str, pin_ttl: float | None, tokens: Iterable[int] = (), table: BlockTable | None = None,
-        arrival: int | None = None, key: str | None = None,
+        arrival: int | None = None, key: str | None = None, counted: bool = True,
     ) -> Sequence:
-        """A new sequence; at the session limit the longest-idle one of its
-        own owner (owner_of its namespace) is closed to make room, one that no
-        record keeps first, never another's: TooManySessionsError, and
-        nothing changes, if it has none."""
+        """A new sequence. One that counts (see Sequence.counted) past the
+        session limit is refused, TooManySessionsError, and nothing changes (a
+        table handed in is released): the limit never closes a session that
+        someone holds to make room."""
         with self.lock:
             self.close_dropped()
-            if len(self.all) >= self.max_sessions:
-                owner = owner_of(namespace)
-                idle = [s for s in self.all if not s.busy and owner_of(s.namespace) == owner]
-                if not idle:
-                    raise TooManySessionsError(
-                        f"the server holds its limit of {len(self.all)} sessions and none of this owner's is idle")
-                self.close(min(idle, key=lambda s: (s.kept, s.idle_since)))
+            if counted and sum(s.counted for s in self.all) >= self.max_sessions:
+                if table is not None:
+                    table.release()
+                raise TooManySessionsError(self.max_sessions)
             seq = Sequence(table if table is not None else BlockTable(self.pool), namespace,
-                           next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens))
+                           next(self._arrivals) if arrival is None else arrival, pin_ttl, list(tokens),
+                           counted=counted)
             if key is not None:
                 seq.key = key
             self.all.add(seq)
@@ -91,7 +89,7 @@ class Sequences:
             if for_turn:
                 self.policy.retention.resumed(seq, time.monotonic())
             return self.new(seq.namespace, seq.pin_ttl, seq.tokens, seq.table.fork(), seq.arrival,
-                            seq.key if for_turn else None)
+                            seq.key if for_turn else None, counted=not for_turn)
 
     def truncate(self, seq: Sequence, n: int) -> None:
         with self.idle(seq):
@@ -142,8 +140,8 @@ class Sequences:
             return self.policy.persist(seq)
 
     def keep(self, seq: Sequence) -> None:
-        # Without the lock: one flag, read by the idle reaper and the session
-        # limit, neither of which picks a sequence this new. The API's
+        # Without the lock: one flag, read by the idle reaper, which never
+        # picks a sequence this new. The API's
         # session registry calls this under its own lock, which must never
         # wait for a step (every lease and release would queue behind it).
         seq.kept = True

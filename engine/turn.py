@@ -92,7 +92,7 @@ class TurnHost(GrammarSource, Protocol):
     # session operations, which would otherwise each wait for a step.
     lock: AbstractContextManager
 
-    def session(self, namespace: str = "default") -> "Session": ...
+    def session(self, namespace: str = "default", *, counted: bool = True) -> "Session": ...
 
     def wait(self, request: Request) -> Request: ...
 
@@ -167,7 +167,8 @@ class Turn:
                                   owner_of(session.namespace if session is not None else namespace))
         # One wait for the engine's lock (the step under way), not one per session operation below.
         with host.lock:
-            work = session if owned else session.fork_for_turn() if session is not None else host.session(namespace)
+            work = (session if owned else session.fork_for_turn() if session is not None
+                    else host.session(namespace, counted=False))
             try:
                 if chat:
                     planned = _plan_chat(host, work, prompt.messages, tools, native, truncate_to)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentkv import Engine, KVCapacityError
-from agentkv.engine.errors import PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
+from agentkv.engine.errors import PoolTooSmallError, QueueFullError, RequestCancelledError, TooManySessionsError
 from agentkv.engine.limits import Limits
 from tests.conftest import assert_all_pages_free
 from tests.hf_models import make_hf_model
@@ -288,17 +288,24 @@ def test_a_lone_request_that_outgrows_the_pool_fails_typed_and_rolls_back(ckpt):
     s.close()
 
 
-def test_session_limit_closes_the_longest_idle_and_idle_timeout_closes(ckpt, monkeypatch):
+def test_the_session_limit_refuses_and_closes_nothing_and_idle_timeout_closes(ckpt, monkeypatch):
     engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64,
                                     limits=Limits(max_sessions=2, session_idle_timeout=60.0, max_stats=3))
     a, b = engine.session(), engine.session()
     a.append(ids(5, 11))
     b.append(ids(5, 12))
-    c = engine.session()  # a is the longest idle: closed, its KV offered to the prefix cache
-    assert a.closed and not b.closed and not c.closed
-    with pytest.raises(SessionClosedError):
-        a.append([1])
-    assert engine.radix.cached_tokens >= 5
+    held, free = [(s.tokens, list(s.table.pages)) for s in (a, b)], engine.pool.num_free
+    with pytest.raises(TooManySessionsError, match="limit of 2 live sessions"):
+        engine.session()
+    with pytest.raises(TooManySessionsError):
+        a.fork()
+    assert [(s.tokens, list(s.table.pages)) for s in (a, b)] == held and engine.pool.num_free == free
+    work = a.fork_for_turn()  # a turn's working fork does not count
+    work.append([1])
+    a.adopt(work)
+    assert len(a) == 6
+    a.close()
+    c = engine.session()  # a closed session makes room
     for _ in range(5):
         b.generate(max_tokens=1, ignore_eos=True)
     assert len(engine.stats) == 3  # a bounded ring
@@ -312,21 +319,18 @@ def test_session_limit_closes_the_longest_idle_and_idle_timeout_closes(ckpt, mon
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_kept_sessions_are_parked_by_the_idle_timeout_and_closed_last_at_the_limit(ckpt, monkeypatch):
-    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64,
-                                    limits=Limits(max_sessions=2, session_idle_timeout=60.0))
+def test_kept_sessions_are_parked_by_the_idle_timeout(ckpt, monkeypatch):
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=64, limits=Limits(session_idle_timeout=60.0))
     kept, plain = engine.session(), engine.session()
     kept.keep()
     kept.append(ids(9, 11))
     plain.append(ids(5, 12))
-    other = engine.session()  # kept is the longest idle, but a record names it: plain goes
-    assert plain.closed and not kept.closed
     import agentkv.engine.scheduler as sched_module
 
     now = time.monotonic()
     monkeypatch.setattr(sched_module.time, "monotonic", lambda: now + 61.0)
     engine.scheduler.step()
-    assert other.closed and not kept.closed and not kept.table.pages and len(kept) == 9
+    assert plain.closed and not kept.closed and not kept.table.pages and len(kept) == 9
     computed = kept.turn.computed_tokens
     kept.append(ids(3, 13))  # its prefix comes back from the prefix cache: only the new tokens are computed
     assert kept.table.length == 12 and kept.turn.computed_tokens == computed + 3

@@ -4,8 +4,8 @@ Every engine error leaves sessions and the pool as they were, so each maps to a
 status that tells the client whether retrying can help:
 400 malformed, 401 missing or unknown API key, 404 unknown session or model,
 409 busy session, 413 beyond the model's context, the KV pool's size or the
-body limit, 429 a tenant's quota or (with Retry-After) a full queue or
-session table, 503 (with Retry-After) out of KV cache pages now, 499 a
+body limit, 429 a tenant's quota, the server's limit of live sessions or
+(with Retry-After) a full queue, 503 (with Retry-After) out of KV cache pages now, 499 a
 request cancelled because its client went away, 500 otherwise.
 """
 from __future__ import annotations
@@ -74,7 +74,10 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(409, str(exc), code="session_busy")
     if isinstance(exc, SessionClosedError):
         return not_found(str(exc), "session_not_found")
-    if isinstance(exc, (QueueFullError, TooManySessionsError)):
+    if isinstance(exc, TooManySessionsError):  # no Retry-After: waiting frees none, a delete does
+        return APIError(429, f"the server holds its limit of {exc.limit} live sessions (--max-sessions); delete one "
+                        "(DELETE /v1/sessions/{id}) first", type="server_error", code="session_limit_reached")
+    if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), type="server_error", code="server_busy", headers={"Retry-After": "1"})
     if isinstance(exc, RequestCancelledError):
         return APIError(499, str(exc), code="request_cancelled")

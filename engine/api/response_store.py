@@ -127,7 +127,7 @@ class ResponseStore:
             return {e.session.key for e in self._entries.values()}
 
     def _hold(self, engine: "Engine", s: SavedResponse) -> None:
-        session = engine.session(s.namespace, tokens=s.tokens, key=s.key)
+        session = engine.session(s.namespace, tokens=s.tokens, key=s.key, counted=False)
         session.message_log = s.log
         entry = StoredResponse(Response.model_validate(s.response), s.tenant, s.input_items, s.conversation,
                                None, session)

@@ -188,7 +188,7 @@ class ResponseTurn:
         requested = body.max_output_tokens
         engine = api.engine
         # The turn's own: stored with the response, or closed.
-        session = previous.fork() if previous else engine.session(turn.namespace)
+        session = previous.fork() if previous else engine.session(turn.namespace, counted=False)
         engine_turn = engine.start_turn(
             Conversation(system + history + messages, turn.tools), session, owned=True,
             max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested), tool_choice=turn.tool_choice,

@@ -39,7 +39,7 @@ from agentkv.engine.api.schemas import SessionInfo, TurnRecord
 from agentkv.engine.api.json_files import Stamp
 from agentkv.engine.api.session_files import SavedSession, SessionFiles
 from agentkv.engine.api.tenants import Tenant
-from agentkv.engine import EngineError
+from agentkv.engine import EngineError, TooManySessionsError
 
 if TYPE_CHECKING:
     from agentkv.engine import Engine, Session
@@ -112,6 +112,7 @@ class SessionRegistry:
         self.max_per_tenant = max_per_tenant
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._lock = threading.Lock()
+        self._reports: list[str] = []  # what resume() could not take up
 
     @property
     def max_retain_s(self) -> float:
@@ -121,12 +122,18 @@ class SessionRegistry:
     def resume(self) -> set[str]:
         """Take up the sessions an earlier server saved (tokens held, KV
         restored on their next turn from what the disk tier verified).
-        Returns the tier keys they claim; what cannot be resumed is in reports()."""
+        Returns the tier keys they claim; what cannot be resumed is in reports()
+        (those past the engine's session limit keep their files and KV, for a
+        server with a higher limit)."""
         if self.files is None:
             return set()
         saved = self.files.load(self.engine.vocab_size)
-        for s in saved:
-            session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
+        for i, s in enumerate(saved):
+            try:
+                session = self.engine.session(s.namespace, tokens=s.tokens, key=s.key)
+            except TooManySessionsError as e:
+                self._reports.append(f"{len(saved) - i} of {len(saved)} saved sessions were not resumed: {e}")
+                break
             session.message_log = s.log
             with self._lock:
                 self._entries[s.tenant, s.session_id] = _Entry(s.tenant, s.session_id, session, list(s.turns))
@@ -152,7 +159,7 @@ class SessionRegistry:
 
     def reports(self) -> list[str]:
         """What resuming saved state found wrong (unreadable files, KV that failed verification)."""
-        return (self.files.reports if self.files else []) + self.engine.kv_reports
+        return (self.files.reports if self.files else []) + self._reports + self.engine.kv_reports
 
     def list(self, tenant: Tenant) -> list[SessionInfo]:
         with self._lock:
@@ -241,7 +248,6 @@ class SessionRegistry:
                 entry = self._live(tenant.name, session_id)
                 if entry is None:
                     self._check_quota(tenant.name)
-                    self._prune()
                     entry = self._entries[tenant.name, session_id] = _Entry(tenant.name, session_id, session)
                     session = None
                 elif not exists_ok:
@@ -273,19 +279,13 @@ class SessionRegistry:
         return Lease(self, entry)
 
     def _live(self, tenant: str, session_id: str) -> _Entry | None:
-        """The entry, unless its session was closed by the engine (idle timeout,
-        session limit): then the entry goes too."""
+        """The entry, unless its session was closed behind the registry's back
+        (its handle's close()): then the entry goes too."""
         entry = self._entries.get((tenant, session_id))
         if entry is not None and entry.session.closed:
             del self._entries[tenant, session_id]
             return None
         return entry
-
-    def _prune(self) -> None:
-        """Past the engine's session limit, forget the entries of closed sessions."""
-        if len(self._entries) >= self.engine.limits.max_sessions:
-            for key in [k for k, e in self._entries.items() if e.session.closed]:
-                del self._entries[key]
 
     def fork(self, tenant: Tenant, session_id: str) -> str:
         """A new session of the tenant sharing the source's pages (copy-on-write) and its turn history."""
