@@ -13,7 +13,7 @@ from agentkv.model.default import SMALL_MODEL_DIR
 
 
 def argv_of(**overrides) -> list[str]:
-    defaults = {"agents": 8, "fraction": 0.5, "repeats": 1, "max_tokens": 32, "pause_scale": 1.0,
+    defaults = {"agents": 6, "fraction": 0.4, "repeats": 1, "max_tokens": 16, "pause_scale": 0.25,
                 "max_positions": 16384, "dtype": "auto", "model": None, "threads": 2, "seed": 0, "full": False,
                 "peers": [], "out": None}
     return demo.replay_argv(argparse.Namespace(**(defaults | overrides)))
@@ -23,11 +23,12 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_the_default_job_is_the_stateful_engine_against_block_hashing_at_half_the_distinct_tokens():
+def test_the_default_job_is_the_stateful_engine_against_block_hashing_under_pressure():
     argv = argv_of()
     assert flag(argv, "--family") == "bfcl-long" and flag(argv, "--roles") == demo.ROLES
     assert flag(argv, "--systems") == "agentkv,agentkv-block16"
-    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("8", "0.5", "1")
+    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("6", "0.4", "1")
+    assert flag(argv, "--pause-scale") == "0.25" and flag(argv_of(full=True), "--pause-scale") == "1"
     assert "--model" not in argv and "--out" not in argv
 
 

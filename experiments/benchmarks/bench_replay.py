@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     res = run(args)
+    res["command"] = "python -m agentkv.experiments.benchmarks.bench_replay " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     text = report(res)
     summary = {f"{s['system']}/{s['agents']}/{s['fraction']}/{k}": s[k] for s in res["summary"]
                for k in ("job_s_median", "ratio") if not math.isnan(s[k])}
@@ -353,8 +355,8 @@ def report(res: dict) -> str:
     a, rows = res["args"], res["rows"]
     cells = {(r["agents"], r["fraction"]): r for r in rows}
     m = res["machine"]
-    lines = [f"host: {m['cpu']}, {m['cores']} cores, {' '.join(m['isa'])}; commit {m['commit']}; command: "
-             f"python -m agentkv.experiments.benchmarks.bench_replay {' '.join(m['argv'][1:])}",
+    lines = [f"host: {m['cpu']}, {m['cores']} cores, {' '.join(m['isa'])}; commit {m['commit']}",
+             f"command: {res['command']}",
              f"replay of {a['family']}: greedy, {a['max_tokens']} tokens per reply (ignore_eos), model {a['model']} "
              f"({a['dtype']}), {a['threads']} threads per server, every server's step {a['max_num_batched_tokens']} "
              f"tokens / {a['max_num_seqs']} sequences; vLLM block {a['vllm_block_size']}, torch.compile on",
