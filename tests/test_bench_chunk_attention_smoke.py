@@ -9,8 +9,12 @@ import pytest
 
 from agentkv.experiments.benchmarks import bench_chunk_attention
 from agentkv.kernels import cpu_chunk_attention
+from tests.cpu_kernels import require_built
 
-pytestmark = pytest.mark.skipif(not cpu_chunk_attention.available(), reason="the chunk kernel did not build")
+
+@pytest.fixture(autouse=True)
+def _built():
+    require_built(cpu_chunk_attention)  # a failed build fails on x86
 
 
 def test_writes_attention_and_prefill_rows(tmp_path):

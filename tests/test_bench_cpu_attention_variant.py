@@ -11,9 +11,13 @@ import torch
 
 from agentkv.experiments.benchmarks import bench_cpu_attention
 from agentkv.kernels import cpu_paged_attention
+from tests.cpu_kernels import require_built
 from tests.test_kernel_cpu_paged_attention import CASES, build
 
-pytestmark = pytest.mark.skipif(not cpu_paged_attention.available(), reason="the decode kernel did not build")
+
+@pytest.fixture(autouse=True)
+def _built():
+    require_built(cpu_paged_attention)  # a failed build fails on x86
 
 KERNELS = Path(cpu_paged_attention.__file__).parent
 

@@ -15,13 +15,11 @@ import torch
 from agentkv.kernels import dispatch
 from agentkv.kernels import cpu_chunk_attention, cpu_paged_attention, reference
 from agentkv.kernels.metadata import AttnMetadata
+from tests.cpu_kernels import built_on_each_isa
 from tests.test_kernel_cpu_paged_attention import DTYPES, TOL, build
 
-# Every test on each vector ISA this CPU runs (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("cpu_isa")
-
-if not cpu_chunk_attention.available():
-    pytest.skip(f"the C++ extension did not build: {cpu_chunk_attention.build_error()}", allow_module_level=True)
+# Every test on each vector ISA this CPU runs, with its kernels built for it (a failed build fails on x86).
+_built = built_on_each_isa(cpu_chunk_attention, cpu_paged_attention)
 
 # (page_size, (q heads, kv heads), head_dim, [(query_len, cached_len)], sliding_window, scattered pages)
 CASES = [

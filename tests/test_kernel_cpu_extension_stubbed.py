@@ -1,5 +1,7 @@
 """kernels.cpu_extension.Extension, the build-once holder every C++ wrapper
-uses, with torch's builder replaced by a recorder (nothing is compiled)."""
+uses: what it asks of torch's builder and keeps of its answer, with the builder
+stubbed by a recorder (nothing is compiled). The real builds, which must
+succeed on x86, are tests/test_kernel_cpu_build.py's."""
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ def _own_build_root(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
 
 
-def _recording_builder(monkeypatch, error: Exception | None = None) -> list[dict]:
+def _stubbed_builder(monkeypatch, error: Exception | None = None) -> list[dict]:
     calls: list[dict] = []
 
     def build(**kwargs):
@@ -28,7 +30,7 @@ def _recording_builder(monkeypatch, error: Exception | None = None) -> list[dict
 
 
 def test_a_build_runs_once_and_its_lookup_is_kept(monkeypatch):
-    calls = _recording_builder(monkeypatch)
+    calls = _stubbed_builder(monkeypatch)
     found = object()
     lookups = []
     ext = Extension("agentkv_test", Path("/src/test_op.cpp"), "agentkv_test", lambda library: lookups.append(1) or found, cflags=["-DX"])
@@ -43,7 +45,7 @@ def test_a_build_runs_once_and_its_lookup_is_kept(monkeypatch):
 
 @pytest.mark.parametrize("error", [OSError("no g++"), RuntimeError("ninja is required"), AttributeError("no op")])
 def test_a_failed_build_is_tried_once_and_its_error_kept(monkeypatch, error):
-    calls = _recording_builder(monkeypatch, error)
+    calls = _stubbed_builder(monkeypatch, error)
     ext = Extension("agentkv_test", Path("/src/test_op.cpp"), "agentkv_test", lambda library: None)
     with pytest.raises(CpuKernelUnavailable, match="building test_op.cpp failed") as raised:
         ext.load()
@@ -56,7 +58,7 @@ def test_a_failed_build_is_tried_once_and_its_error_kept(monkeypatch, error):
 
 
 def test_a_set_error_stands_for_a_failed_build_even_after_a_load(monkeypatch):
-    _recording_builder(monkeypatch)
+    _stubbed_builder(monkeypatch)
     ext = Extension("agentkv_test", Path("/src/test_op.cpp"), "agentkv_test", lambda library: "op")
     assert ext.load() == "op"
     monkeypatch.setattr(ext, "error", "no g++ here")
@@ -67,7 +69,7 @@ def test_a_set_error_stands_for_a_failed_build_even_after_a_load(monkeypatch):
 
 def test_a_header_change_is_a_new_build(monkeypatch, tmp_path):
     # torch rebuilds when a source changes, not when a header it includes does.
-    calls = _recording_builder(monkeypatch)
+    calls = _stubbed_builder(monkeypatch)
     header = tmp_path / "shared.h"
     header.write_text("inline int f() { return 1; }\n")
     names = []
@@ -99,7 +101,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(monkeypatch, tmp_p
 
 
 def test_each_isa_is_a_build_of_its_own_under_a_library_of_its_own(monkeypatch):
-    calls = _recording_builder(monkeypatch)
+    calls = _stubbed_builder(monkeypatch)
     libraries = []
     ext = Extension("agentkv_test", Path("/src/test_op.cpp"), "agentkv_test", lambda library: libraries.append(library) or library)
     for target in host_isas():

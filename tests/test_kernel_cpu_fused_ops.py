@@ -16,12 +16,10 @@ from agentkv.kernels import dispatch
 from agentkv.kernels import cpu_fused_ops, reference
 from agentkv.kernels.metadata import AttnMetadata
 from agentkv.model.rope import rope_tables
+from tests.cpu_kernels import built_on_each_isa
 
-# Every test on each vector ISA this CPU runs (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("cpu_isa")
-
-if not cpu_fused_ops.available():
-    pytest.skip(f"the C++ extension did not build: {cpu_fused_ops.build_error()}", allow_module_level=True)
+# Every test on each vector ISA this CPU runs, with its kernels built for it (a failed build fails on x86).
+_built = built_on_each_isa(cpu_fused_ops)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -10,15 +10,17 @@ import pytest
 import torch
 
 from agentkv.kernels import dispatch
-from agentkv.kernels import cpu_layers, cpu_linear, cpu_paged_attention
+from agentkv.kernels import cpu_fused_ops, cpu_layers, cpu_linear, cpu_paged_attention
 from agentkv.kernels.metadata import AttnMetadata
 from agentkv.model import llama
 from agentkv.model.config import ModelConfig
 from agentkv.model.default import random_init
 from agentkv.model.llama import ForwardScratch, Transformer
+from tests.cpu_kernels import built_on_each_isa
+from tests.test_kernel_cpu_linear import needs
 
-# Every test on each vector ISA this CPU runs (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("cpu_isa")
+# Every test on each vector ISA this CPU runs, with its kernels built for it (a failed build fails on x86).
+_built = built_on_each_isa(cpu_layers, cpu_linear, cpu_fused_ops, cpu_paged_attention)
 
 PS = 8  # page size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,10 +49,9 @@ def model_of(name: str, dtype: torch.dtype) -> Transformer:
             b.attn_norm.add_(torch.linspace(-0.3, 0.3, 64).to(dtype))
             b.mlp_norm.sub_(torch.linspace(-0.2, 0.2, 64).to(dtype))
     model.prepack()
-    if model.packed is None or model.packed.kernel != "cpp" or not dispatch.select(
-        torch.zeros(1, dtype=dtype), torch.zeros(1, PS, 2, 16, dtype=dtype)
-    ).layer_loop:
-        pytest.skip(f"the C++ kernels do not all run {dtype} here")
+    needs(dtype)
+    assert model.packed is not None and model.packed.kernel == "cpp"
+    assert dispatch.select(torch.zeros(1, dtype=dtype), torch.zeros(1, PS, 2, 16, dtype=dtype)).layer_loop
     return model
 
 
