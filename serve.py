@@ -71,7 +71,7 @@ def serve(argv: list[str]) -> None:
                              "raced it: connection errors)")
     parser.add_argument("--max-stored-responses", type=int, default=4096,
                         help="Responses API responses kept for previous_response_id; past that the least recently "
-                             "used expire (404)")
+                             "used of the tenant holding the most expire (404 response_expired)")
     limits = parser.add_argument_group("limits", "how much work a step takes and how much state the server keeps")
     defaults = Limits()
     limits.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests in one step")

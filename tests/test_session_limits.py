@@ -6,7 +6,10 @@ session, any tenant's, is a 429 naming the limit that changes nothing.
 Issue 56: the fork of own-3's turn closed own-0, and bravo's first chat on a
 new session id was a 404 "the session is closed". (Issue 42's answer, that
 the limit closes the requester's own longest idle session, closed sessions
-their clients still held: it refuses instead.)"""
+their clients still held: it refuses instead.) The other limits on what a
+client holds tell it too: a tenant at its quota of stored responses is
+refused, responses it is still generating counted, rather than its oldest
+erased, and a response the store's limit expired says so."""
 from __future__ import annotations
 
 import threading
@@ -17,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from agentkv import Engine
 from agentkv.engine.api import create_app
+from agentkv.engine.api.quotas import Quotas
 from agentkv.engine.api.tenants import ApiKeys
 from agentkv.engine.limits import Limits
 from agentkv.model.default import SMALL_MODEL_DIR
@@ -147,3 +151,56 @@ def test_sessions_saved_past_a_lower_limit_are_reported_and_kept_for_a_higher_on
     with server(LIMIT) as c:  # nothing of the one left out was lost
         assert {n: (s["length"], s["turns"]) for n, s in held(c, None).items()} == saved
         assert not c.get("/v1/sessions").json()["reports"]
+
+
+def respond(client: TestClient, key: str, **extra):
+    body = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 2, **extra}
+    return client.post("/v1/responses", json=body, headers=auth(key))
+
+
+def test_responses_generating_count_toward_the_quota_and_none_is_erased_for_them(engine):
+    # They were checked against what the tenant held when each began: three at
+    # once against a quota of two all stored, and the first was silently erased.
+    with TestClient(create_app(engine, MODEL, keys=ApiKeys(KEYS), quotas=Quotas(max_responses=2))) as c:
+        answers = []
+        engine.scheduler.stop()  # nobody steps: what is admitted stays in flight
+        threads = [threading.Thread(target=lambda: answers.append(respond(c, KEY_A))) for _ in range(3)]
+        try:
+            for t in threads:
+                t.start()
+            for _ in range(1000):
+                if len(engine.scheduler.waiting) == 2 and answers:
+                    break
+                time.sleep(0.01)
+            # Two are admitted; the third is refused at once, not generated and stored over the first.
+            assert len(engine.scheduler.waiting) == 2 and len(answers) == 1
+            r = answers[0]
+            assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded", r.text
+            assert "holds 2 stored responses" in r.json()["error"]["message"]
+        finally:
+            engine.scheduler.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(a.status_code for a in answers) == [200, 200, 429]
+        for a in answers[1:]:
+            assert c.get(f"/v1/responses/{a.json()['id']}", headers=auth(KEY_A)).status_code == 200
+        assert respond(c, KEY_A).status_code == 429
+        assert respond(c, KEY_B).status_code == 200
+
+
+def test_a_response_the_store_expired_says_so(engine):
+    with TestClient(create_app(engine, MODEL, max_stored_responses=2, keys=ApiKeys(KEYS))) as c:
+        first, second, third = (respond(c, KEY_A).json()["id"] for _ in range(3))
+        for r in (c.get(f"/v1/responses/{first}", headers=auth(KEY_A)),
+                  respond(c, KEY_A, previous_response_id=first)):
+            assert r.status_code == 404
+            assert r.json()["error"] == {
+                "message": f"response {first!r} expired: the server keeps 2 stored responses (--max-stored-responses) "
+                           "and it was the least recently used of the tenant holding the most; send the whole "
+                           "conversation instead",
+                "type": "invalid_request_error", "param": "previous_response_id", "code": "response_expired"}
+        # To another tenant it never existed; one its owner deleted is simply gone.
+        assert c.get(f"/v1/responses/{first}", headers=auth(KEY_B)).json()["error"]["code"] == "response_not_found"
+        assert c.delete(f"/v1/responses/{second}", headers=auth(KEY_A)).status_code == 200
+        assert c.get(f"/v1/responses/{second}", headers=auth(KEY_A)).json()["error"]["code"] == "response_not_found"
+        assert respond(c, KEY_A, previous_response_id=third).status_code == 200

@@ -10,13 +10,16 @@ tokens stay, and the next fork re-matches them (what is no longer cached is
 recomputed). A response belongs to the tenant that made it: to any other one
 it does not exist (404).
 
-Retention: a tenant may hold at most `max_per_tenant` (a store=true request
-past it is a 429, before anything is computed), and the store at most
-`max_responses`; past that the least recently used response of the tenant
-holding the most expires (its session closes, its id answers 404), so that
-no tenant's use expires another's responses while it holds more. The
-responses continued from an expired one keep working: each holds its own
-session, and the conversation's messages stay reachable through them.
+Retention: a tenant may hold at most `max_per_tenant`, those it is
+generating with store=true included (one more is a 429, before anything is
+computed: none of its responses is expired to make room), and the store at
+most `max_responses`; past that the least recently used response of the
+tenant holding the most expires (its session closes), so that no tenant's use
+expires another's responses while it holds more. An expired id answers 404
+with code response_expired, saying why (the ids of the last `max_responses`
+expired are remembered), not as one that never existed. The responses
+continued from an expired one keep working: each holds its own session, and
+the conversation's messages stay reachable through them.
 
 With a state directory (engine.api.response_files) each stored response is
 saved as it is stored, and a new store resumes what an earlier one saved.
@@ -88,6 +91,12 @@ def _missing(response_id: str):
     return not_found(f"no response {response_id!r}", "response_not_found", "previous_response_id")
 
 
+def _expired(response_id: str, limit: int):
+    return not_found(f"response {response_id!r} expired: the server keeps {limit} stored responses "
+                     "(--max-stored-responses) and it was the least recently used of the tenant holding the most; "
+                     "send the whole conversation instead", "response_expired", "previous_response_id")
+
+
 DEFAULT_MAX_RESPONSES = 4096
 
 
@@ -101,6 +110,8 @@ class ResponseStore:
         self.files = files
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # least recently used first
         self._held: Counter[str] = Counter()  # stored responses by tenant
+        self._storing: Counter[str] = Counter()  # store=true responses generating, by tenant
+        self._expired: OrderedDict[str, str] = OrderedDict()  # expired ids (the last max_responses): their tenants
         self._lock = threading.Lock()
         self._closed = False
         self._running = 0
@@ -123,6 +134,8 @@ class ResponseStore:
             self._hold(engine, s)
         for s in saved[: -self.max_responses]:
             self.files.delete(s.response["id"])
+            with self._lock:
+                self._bury(s.response["id"], s.tenant)
         with self._lock:
             return {e.session.key for e in self._entries.values()}
 
@@ -202,21 +215,25 @@ class ResponseStore:
         with self._lock:
             return [e.session for e in self._entries.values() if e.tenant == tenant]
 
-    def check_quota(self, tenant: str) -> None:
-        """429 if the tenant holds as many responses as it may (before a store=true request computes anything)."""
+    def enter(self, storing: str | None) -> None:
+        """A response begins generating (leave(storing) when it is finished);
+        storing: the tenant it is stored for (store=true), a 429 if that
+        tenant holds as many responses as it may, counting those it is
+        generating, before anything is computed."""
         with self._lock:
-            held = self._held[tenant]
-        check_held("stored responses", held, self.max_per_tenant,
-                   "delete one (DELETE /v1/responses/{id}) or send store=false")
-
-    def enter(self) -> None:
-        """A response has begun generating (leave() when it is finished)."""
-        with self._lock:
+            if storing is not None:
+                check_held("stored responses", self._held[storing] + self._storing[storing], self.max_per_tenant,
+                           "delete one (DELETE /v1/responses/{id}) or send store=false")
+                self._storing[storing] += 1
             self._running += 1
 
-    def leave(self) -> None:
+    def leave(self, storing: str | None) -> None:
         with self._lock:
             self._running -= 1
+            if storing is not None:
+                self._storing[storing] -= 1
+                if not self._storing[storing]:
+                    del self._storing[storing]
 
     def get(self, response_id: str, tenant: str) -> StoredResponse:
         if self._shared_with is not None:
@@ -228,6 +245,8 @@ class ResponseStore:
 
     def _lookup(self, response_id: str, tenant: str) -> StoredResponse:
         entry = self._entries.get(response_id)
+        if entry is None and self._expired.get(response_id) == tenant:
+            raise _expired(response_id, self.max_responses)
         if entry is None or entry.tenant != tenant:
             raise _missing(response_id)
         return entry
@@ -239,9 +258,6 @@ class ResponseStore:
             if not closed:
                 self._entries[entry.id] = entry
                 self._held[entry.tenant] += 1
-                # Requests admitted together can overshoot the tenant's quota: its own oldest give way.
-                while self.max_per_tenant is not None and self._held[entry.tenant] > self.max_per_tenant:
-                    expired.append(self._expire_one(entry.tenant))
                 while len(self._entries) > self.max_responses:
                     expired.append(self._expire_one(max(self._held, key=self._held.__getitem__)))
         if closed:  # the server is shutting down: nobody can continue it
@@ -261,10 +277,16 @@ class ResponseStore:
         self._forget(entry)
 
     def _expire_one(self, tenant: str) -> StoredResponse:
-        """The tenant's least recently used response, out of the store."""
+        """The tenant's least recently used response, out of the store (its id remembered as expired)."""
         response_id = next(k for k, e in self._entries.items() if e.tenant == tenant)
         self._uncount(tenant)
+        self._bury(response_id, tenant)
         return self._entries.pop(response_id)
+
+    def _bury(self, response_id: str, tenant: str) -> None:
+        self._expired[response_id] = tenant
+        while len(self._expired) > self.max_responses:
+            self._expired.popitem(last=False)
 
     def _uncount(self, tenant: str) -> None:
         self._held[tenant] -= 1

@@ -130,6 +130,11 @@ class ResponseInput:
     message_id: str  # of the reply's message item, named before it is written (streaming)
 
     @property
+    def storing(self) -> str | None:
+        """The tenant the response is stored for (store=true), else None."""
+        return self.tenant if self.body.store else None
+
+    @property
     def tools(self) -> list[dict] | None:
         """The tools as the chat template reads them."""
         if not self.body.tools:
@@ -187,24 +192,28 @@ class ResponseTurn:
         system = [system_message(body.instructions)] if body.instructions else []
         requested = body.max_output_tokens
         engine = api.engine
-        # The turn's own: stored with the response, or closed.
-        session = previous.fork() if previous else engine.session(turn.namespace, counted=False)
-        engine_turn = engine.start_turn(
-            Conversation(system + history + messages, turn.tools), session, owned=True,
-            max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested), tool_choice=turn.tool_choice,
-            response_format=body.response_format(), parallel_tool_calls=body.parallel_tool_calls is not False,
-            truncate_to=engine.max_context - (requested or 1) if body.truncation == "auto" else None,
-            # The session holds what rendering the whole conversation gives, so a
-            # continuation answers as the same history sent whole would be.
-            canonical_reply=True,
-            # A stored response may be continued by many branches, each with
-            # other items: an opening held in its session would be computed
-            # for all and kept by few.
-            preposition=False,
-            temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
-            on_tokens=on_tokens, on_done=on_done,
-        )
-        store.enter()
+        store.enter(turn.storing)
+        try:
+            # The turn's own: stored with the response, or closed.
+            session = previous.fork() if previous else engine.session(turn.namespace, counted=False)
+            engine_turn = engine.start_turn(
+                Conversation(system + history + messages, turn.tools), session, owned=True,
+                max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested), tool_choice=turn.tool_choice,
+                response_format=body.response_format(), parallel_tool_calls=body.parallel_tool_calls is not False,
+                truncate_to=engine.max_context - (requested or 1) if body.truncation == "auto" else None,
+                # The session holds what rendering the whole conversation gives, so a
+                # continuation answers as the same history sent whole would be.
+                canonical_reply=True,
+                # A stored response may be continued by many branches, each with
+                # other items: an opening held in its session would be computed
+                # for all and kept by few.
+                preposition=False,
+                temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
+                on_tokens=on_tokens, on_done=on_done,
+            )
+        except BaseException:
+            store.leave(turn.storing)
+            raise
         return cls(api, store, turn, messages, engine_turn, start)
 
     def cancel(self) -> None:
@@ -223,7 +232,7 @@ class ResponseTurn:
             else:
                 result.session.close()
         finally:
-            self.store.leave()
+            self.store.leave(turn.storing)
         self.api.metrics.observe_turn(time.perf_counter() - self.start)
         return Finished(response, result)
 

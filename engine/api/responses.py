@@ -80,8 +80,6 @@ async def create_response(body: ResponsesRequest, request: Request):
     api.check_model(body.model)
     api.check_supported(body.unsupported())
     check_tool_choice(body)
-    if body.store:
-        store.check_quota(tenant.name)
     api.check_kv_quota(tenant)
     namespace = tenant.namespace(body.cache_salt)
     previous = store.get(body.previous_response_id, tenant.name) if body.previous_response_id else None
