@@ -219,11 +219,17 @@ class BatchPlanner:
         return True
 
     def _victim(self, req: Request, scheduled: set[Request]) -> Request | None:
-        """The lowest-priority request below req holding pages; one preempted
-        before only once it has progressed since (unless the step would
-        stall otherwise: see plan)."""
-        holders = [r for r in self.queue.all()
-                   if r not in scheduled and r is not req and r.priority() > req.priority() and r.seq.table.pages]
+        """A request whose program waits for its place, holding pages (its
+        session's KV, which a turn's fork carries), whatever its priority:
+        it cannot run before the admitted programs make room, so holding them
+        it would stall both. Else the lowest-priority request below req
+        holding pages; one preempted before only once it has progressed
+        since (unless the step would stall otherwise: see plan)."""
+        holders = [r for r in self.queue.all() if r not in scheduled and r is not req and r.seq.table.pages]
+        stalled = [r for r in holders if self.programs.waits(r)]
+        if stalled:
+            return max(stalled, key=Request.priority)
+        holders = [r for r in holders if r.priority() > req.priority()]
         if self._protect:
             holders = [r for r in holders if r.progress() > r.progress_at_preemption]
         return max(holders, key=Request.priority, default=None)

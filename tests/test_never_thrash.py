@@ -253,3 +253,41 @@ def test_a_program_waiting_for_its_place_keeps_its_cached_prefix_past_idle_sessi
     assert req.error is None and req.output == alone(roomy, [history + delta], 6)[0]
     for s in (waiting, idle, pinned):
         s.close()
+
+
+def test_a_turn_waiting_for_its_programs_place_gives_its_kv_to_running_work(ckpt, roomy):
+    # An older agent's session holds its history (11 pages) and its program's
+    # place is gone (its last turn ended on an answer). A younger program runs
+    # a long generation; the older agent's next turn then arrives, carrying
+    # the history on its fork, and waits: it does not fit beside the running
+    # one. When the running one needs those pages, the waiting turn's KV gives
+    # way, however old its conversation, instead of both waiting for good.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=30, kv_offload_bytes=0,
+                                    limits=Limits(max_num_batched_tokens=16, prefill_chunk=8))
+    sched = engine.scheduler
+    older, younger = engine.session(), engine.session()
+    older.queue(ids(40, 101))
+    first = older.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    older.end_turn([])  # a final answer: its program's place goes at the next step
+    younger.queue(ids(40, 102))
+    long = younger.start_generate(max_tokens=56, ignore_eos=True, speculative=False)
+    for _ in range(8):
+        sched.step()
+    assert long.admitted and older.table.pages
+    work = older.fork_for_turn()
+    work.queue(ids(8, 103))
+    nxt = work.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    for _ in range(400):
+        if long.done.is_set() and nxt.done.is_set():
+            break
+        sched.step()
+        engine.pool.check()
+    assert long.done.is_set() and nxt.done.is_set(), "the running program and the waiting turn stalled each other"
+    assert long.error is None and nxt.error is None
+    older.adopt(work)
+    # Both got the replies they get alone: giving way cost the waiting turn a recompute, nothing else.
+    assert long.output == alone(roomy, [ids(40, 102)], 56)[0]
+    assert [first, nxt.output] == alone(roomy, [ids(40, 101), ids(8, 103)], 4)
+    assert sched.programs.refusals > 0
+    for s in (older, younger):
+        s.close()
