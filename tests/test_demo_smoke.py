@@ -13,7 +13,7 @@ from agentkv.model.default import SMALL_MODEL_DIR
 
 
 def argv_of(**overrides) -> list[str]:
-    defaults = {"agents": 6, "fraction": 0.4, "repeats": 1, "max_tokens": 16, "pause_scale": 0.25,
+    defaults = {"agents": 4, "fraction": 0.46, "repeats": 1, "max_tokens": 16, "pause_scale": 0.25,
                 "max_positions": 16384, "dtype": "auto", "model": None, "threads": 2, "seed": 0, "full": False,
                 "peers": [], "out": None}
     return demo.replay_argv(argparse.Namespace(**(defaults | overrides)))
@@ -27,7 +27,7 @@ def test_the_default_job_is_the_stateful_engine_against_block_hashing_under_pres
     argv = argv_of()
     assert flag(argv, "--family") == "bfcl-long" and flag(argv, "--roles") == demo.ROLES
     assert flag(argv, "--systems") == "agentkv,agentkv-block16"
-    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("6", "0.4", "1")
+    assert (flag(argv, "--agents"), flag(argv, "--fractions"), flag(argv, "--repeats")) == ("4", "0.46", "1")
     assert flag(argv, "--pause-scale") == "0.25" and flag(argv_of(full=True), "--pause-scale") == "1"
     assert "--model" not in argv and "--out" not in argv
 

@@ -11,7 +11,7 @@ stream and the same KV tokens; speculation off on all.
 A preset of experiments/benchmarks/bench_replay.py, which holds the
 systems, the ablations and the report; --full is its whole sweep.
 
-    python serve.py demo [--agents 6] [--fraction 0.4] [--pause-scale 0.25] [--peers vllm] [--out DIR]
+    python serve.py demo [--agents 4] [--fraction 0.46] [--pause-scale 0.25] [--peers vllm] [--out DIR]
     python serve.py demo --full [--peers vllm]   # 8/16/32 agents x 25/50/100% of distinct, every ablation, 3 repeats
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from agentkv.kernels.dispatch import build_cpu_kernels
 # Single-class BFCL roles whose long-context tool outputs give each agent
 # thousands of private tokens behind a shared head (its function docs).
 ROLES = "VehicleControlAPI,TravelAPI"
-# The default job fits in about four minutes on 2 cores: 6 agents at 40% of
-# their distinct tokens (25% cannot hold the longest agent's context), the
-# published pauses at a quarter of their length.
+# The default job fits in about four minutes on 2 cores: 4 agents at 46% of
+# their distinct tokens (the least that holds the longest agent's context),
+# the published pauses at a quarter of their length.
 SYSTEMS = ("agentkv", "agentkv-block16")
 FULL_AGENTS, FULL_FRACTIONS = "8,16,32", "0.25,0.5,1.0"
 
@@ -49,8 +49,8 @@ def replay_argv(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="serve.py demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--agents", type=int, default=6, help="agents at once")
-    p.add_argument("--fraction", type=float, default=0.4, help="KV budget / the agents' distinct tokens")
+    p.add_argument("--agents", type=int, default=4, help="agents at once")
+    p.add_argument("--fraction", type=float, default=0.46, help="KV budget / the agents' distinct tokens")
     p.add_argument("--repeats", type=int, default=1, help="runs of each system, the order rotated")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens every reply generates (ignore_eos)")
     p.add_argument("--pause-scale", type=float, default=0.25,
