@@ -24,6 +24,7 @@ from agentkv.engine.draft_planner import DraftPlanner
 from agentkv.engine.errors import EngineError, PoolTooSmallError, QueueFullError, RequestCancelledError, SessionClosedError
 from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.limits import Limits
+from agentkv.engine.openmp_pool import release_openmp_pool
 from agentkv.engine.output_processor import OutputProcessor
 from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.request import Request
@@ -176,6 +177,9 @@ class Scheduler:
         """Step in a background thread, so that requests from many callers share each forward."""
         if self.serving:
             return
+        # The caller's OpenMP workers (it loaded the model or stepped inline) would idle beside the
+        # loop's and slow every step the loop runs (engine.openmp_pool).
+        release_openmp_pool()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="agentkv-scheduler", daemon=True)
         self._thread.start()
