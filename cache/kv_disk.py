@@ -228,11 +228,15 @@ class KVDisk:
 
     def manifest(self, key: str) -> tuple[dict | None, str | None]:
         """The entry's manifest if it is persistent and of this model and
-        layout; else (None, the problem), or (None, None) for a spill or none."""
+        layout; else (None, the problem), or (None, None) for a spill or
+        none (a folder without a manifest included)."""
         if not self._folder(key).is_dir():
             return None, None
         try:
             m = json.loads((self._folder(key) / MANIFEST).read_text())
+        except FileNotFoundError:
+            # A first write cut off (a kill, a full disk) before its manifest: nothing was saved, nothing is corrupt.
+            return None, None
         except (OSError, ValueError) as err:
             return None, f"unreadable manifest: {err}"
         if not m.get("persistent"):

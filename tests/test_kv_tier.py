@@ -180,6 +180,29 @@ def test_a_failing_disk_fails_no_request_and_loses_no_saved_state(reference, tmp
     engine.tier.check()
 
 
+def test_a_first_write_cut_off_before_its_manifest_is_no_corruption(reference, tmp_path):
+    # The soak (issue 56): a kill, or a disk that filled, between a session's
+    # first pieces and its manifest left a folder that every later start
+    # reported as corrupt ("unreadable manifest") though nothing saved was
+    # damaged. Such a folder is removed quietly; a manifest that is there but
+    # unreadable is still reported.
+    one_session = 60 * reference.pool.token_bytes
+    engine = tiered(reference, kv_offload_bytes=one_session, kv_offload_dir=tmp_path)
+    with engine.session() as a:
+        a.append(ids(60, 31))
+        assert a.save()
+        piece = next((tmp_path / a.key).glob("*.safetensors"))
+        for name in ("cut", "torn"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / piece.name).write_bytes(piece.read_bytes())
+        (tmp_path / "torn" / "manifest.json").write_text('{"persistent": tr')
+        again = tiered(reference, kv_offload_bytes=one_session, kv_offload_dir=tmp_path)  # loads what is saved
+        assert a.key in again.tier.persistent_keys()
+    assert again.tier.counters.corrupt == 1 and len(again.tier.reports) == 1
+    assert "torn" in again.tier.reports[0] and "unreadable manifest" in again.tier.reports[0]
+    assert not (tmp_path / "cut").exists() and not (tmp_path / "torn").exists()
+
+
 def test_full_store_refuses_cleanly(reference):
     engine = tiered(reference, kv_offload_bytes=10 * reference.pool.token_bytes)
     prompt, more = ids(40, 14), ids(4, 15)
