@@ -1,36 +1,18 @@
-"""Faults the soak (experiments/soak.py) injects into a running server:
-streams dropped by their client, a corrupted piece of saved KV, and a
-SIGKILL of the whole server."""
+"""Faults the soak (experiments/soak.py) injects into a running server: a
+corrupted piece of saved KV, a SIGKILL of the whole server, and a disk that
+fills (a small tmpfs). Streams its agents drop are their client's
+(experiments/drivers/soak_client.py)."""
 from __future__ import annotations
 
 import os
 import random
 import signal
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
-
-import httpx
+from typing import Iterator
 
 from agentkv.experiments.drivers.servers import ServerProcess
-
-
-def drop_stream(url: str, key: str, body: dict, after_first_token: bool) -> bool:
-    """Send a streamed chat request and hang up: at once (a read timeout of
-    a few milliseconds, before the server can answer), or right after its
-    first content chunk. Whether anything had come back when the client
-    went away; RuntimeError if the server refused the request."""
-    headers = {"Authorization": f"Bearer {key}"}
-    timeout = httpx.Timeout(600.0, read=600.0 if after_first_token else 0.005)
-    with httpx.Client(base_url=url, headers=headers, timeout=timeout) as http:
-        try:
-            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-                if r.status_code != 200:  # refused: nothing was dropped, and the soak must not read it as a drop
-                    raise RuntimeError(f"the stream to drop was refused: {r.status_code} {r.read().decode()[:200]}")
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and '"content"' in line:
-                        return True
-        except httpx.ReadTimeout:
-            return False
-    return False
 
 
 def corrupt_piece(folder: Path, seed: int) -> Path | None:
@@ -55,3 +37,25 @@ def kill(server: ServerProcess) -> None:
         pass
     server.proc.wait()
     server.stop()  # closes its log; the process is gone already
+
+
+class DiskFaultUnavailable(RuntimeError):
+    """A small disk cannot be mounted here (mounting a tmpfs needs root)."""
+
+
+@contextmanager
+def small_disk(folder: Path, size_bytes: int) -> Iterator[Path]:
+    """folder as a tmpfs of size_bytes (at least 1 MiB), so that writes past
+    it fail with ENOSPC as on a full disk; unmounted (and what it held gone)
+    on exit."""
+    folder.mkdir(parents=True, exist_ok=True)
+    size = max(size_bytes, 1 << 20)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise DiskFaultUnavailable(f"mount -t tmpfs on {folder}: {r.stderr.strip() or r.returncode} "
+                                   f"(the soak's full-disk fault needs root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
