@@ -195,8 +195,9 @@ def inject(soaked: Soaked, watch: Watch, progress: "Progress", kv_dir: Path, pla
             if hit is None:
                 kills.append({"point": point, "missed": True})
                 continue
-            soaked.kill()
+            # Looked up before the signal: once it lands, the client ends the request at once.
             cut = watch.current(hit.agent)
+            soaked.kill()
             kills.append({"point": point, "agent": hit.agent, "turn": hit.turn, "running": running,
                           "in_flight_s": round(time.monotonic() - hit.sent, 3), "streamed_chunks": hit.deltas,
                           "cut": cut is not None and cut.sent == hit.sent})
