@@ -59,6 +59,8 @@ if ! ls "$MODEL"/model*.safetensors >/dev/null 2>&1; then
     exit 1
 fi
 
+# The C++ kernels compile on a machine's first use: before the eval's timeout starts, not inside it.
+"$PY" -c "from agentkv.kernels.dispatch import build_cpu_kernels; build_cpu_kernels()"
 echo "== eval: sets $EVAL_SETS through the engine (CPU), at most ${EVAL_LIMIT}s of turns"
 timeout -s INT -k 10 "$EVAL_TIMEOUT" "$PY" -m agentkv.experiments.default_model.eval --model "$MODEL" --sets "$EVAL_SETS" \
     --no-compare --reply-slack 24 --threads "$EVAL_THREADS" --time-limit "$EVAL_LIMIT" --out "$MODEL/eval.json"
