@@ -127,7 +127,12 @@ def test_vllms_worker_gets_every_core_of_the_comparison(tmp_path, monkeypatch):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").touch()
     monkeypatch.setattr(vllm, "VLLM_VENV", tmp_path)
+    monkeypatch.setattr(vllm, "TCMALLOC", tmp_path / "absent.so")
     env = vllm.vllm_env(2, 3)
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert (env["OMP_NUM_THREADS"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("2", "3")
     assert env["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    # TCMalloc, as vLLM's CPU docs recommend, goes first where it is installed.
+    (tmp_path / "tcmalloc.so").touch()
+    monkeypatch.setattr(vllm, "TCMALLOC", tmp_path / "tcmalloc.so")
+    assert vllm.vllm_env(2, 3)["LD_PRELOAD"] == f"{tmp_path / 'tcmalloc.so'}:{tmp_path / 'lib' / 'libiomp5.so'}"
