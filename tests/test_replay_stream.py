@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import statistics
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 
+from agentkv.experiments.drivers.servers import AppThread
 from agentkv.experiments.workloads.agent_runs import run_all
 from agentkv.experiments.workloads.replay_agents import (PAUSE_MEDIAN_S, PAUSE_P90_S, PAUSE_P99_S, Sent, TracePauses,
                                                          openai_send, replay_job)
@@ -55,18 +52,11 @@ class Recorder:
                                  "message": {"role": "assistant", "content": text}}],
                     "usage": {"prompt_tokens": 10, "completion_tokens": body["max_tokens"], "total_tokens": 10}}
 
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        self.server = AppThread(app)
+        self.url = self.server.base_url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.server.stop()
 
 
 def replay(traces: list[Trace], url: str, sessions: bool, model: str) -> Sent:

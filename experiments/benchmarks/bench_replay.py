@@ -60,7 +60,6 @@ from agentkv.experiments.workloads.replay_budget import budget_tokens, render_pr
 from agentkv.experiments.workloads.traces import Trace, stream_digest
 from agentkv.model.loader import cpu_has_bf16_dot, load_tokenizer
 
-STATEFUL = ()  # serve.py's defaults: tool retention, program admission, native continuation
 BLOCK_HASH = ("--prefix-match", "block", "--kv-retention", "lru", "--no-program-admission")
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
@@ -75,7 +74,7 @@ class System:
 
 
 SYSTEMS = {s.name: s for s in (
-    System("agentkv", STATEFUL + ("--drafter", "none")),
+    System("agentkv", ("--drafter", "none")),  # serve.py as shipped, speculation off
     System("agentkv-lru", ("--kv-retention", "lru", "--drafter", "none")),
     System("agentkv-noadmit", ("--no-program-admission", "--drafter", "none")),
     System("agentkv-block128", BLOCK_HASH + ("--page-size", "128", "--drafter", "none"), sessions=False),

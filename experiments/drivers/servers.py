@@ -154,21 +154,17 @@ def start_engine_server(model: str | Path | None = None, *, port: int | None = N
                          name="agentkv-server")
 
 
-class InProcessServer(_Server):
-    """This engine's app on 127.0.0.1 in a thread of this process, so that
-    the caller keeps the engine (its scheduler counters, its pool)."""
+class AppThread(_Server):
+    """An ASGI app on 127.0.0.1 in a thread of this process."""
 
-    def __init__(self, engine, model_name: str):
+    def __init__(self, app):
         import uvicorn
 
-        from agentkv.engine.api import create_app
-
-        self.engine = engine
         sock = socket.socket()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._uv = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level="warning"))
+        self._uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [sock]}, daemon=True)
         self._thread.start()
         while not self._uv.started:
@@ -177,3 +173,14 @@ class InProcessServer(_Server):
     def stop(self) -> None:
         self._uv.should_exit = True
         self._thread.join(30)
+
+
+class InProcessServer(AppThread):
+    """This engine's app on 127.0.0.1 in a thread of this process, so that
+    the caller keeps the engine (its scheduler counters, its pool)."""
+
+    def __init__(self, engine, model_name: str):
+        from agentkv.engine.api import create_app
+
+        self.engine = engine
+        super().__init__(create_app(engine, model_name))
