@@ -34,7 +34,7 @@ from agentkv.engine.limits import Limits
 from agentkv.engine.programs import ProgramAdmission
 from agentkv.engine.request import Request
 from agentkv.engine.request_queue import RequestQueue
-from agentkv.engine.sequence import Sequence
+from agentkv.engine.sequence import Sequence, owner_of
 from agentkv.engine.sequences import Sequences
 from agentkv.engine.stats import SchedulerCounters
 from agentkv.engine.step_item import StepItem
@@ -52,6 +52,7 @@ class BatchPlanner:
         self._preempted_now: set[Request] = set()  # this step's: not scheduled again in it
         self._protect = True  # a request preempted before keeps its pages until it progresses
         self._blocked = False  # this pass left a request waiting for pages others hold
+        self._held = False  # the last _secure kept pinned KV due back from its request
         self._wanted: frozenset[int] | None = None  # see make_room; found again each pass
 
     def plan(self) -> list[Work]:
@@ -98,7 +99,7 @@ class BatchPlanner:
             if not self._secure(needed, req, {x.req for x in work}):
                 if work:
                     break
-                if not any(r is not req and r.seq.table.pages for r in self.queue.all()):
+                if not self._held and not any(r is not req and r.seq.table.pages for r in self.queue.all()):
                     # Nothing else could give way: it cannot run now.
                     self.fail(req, KVCapacityError(needed, self.pool.num_free, self.pool.page_size))
                     continue
@@ -113,9 +114,9 @@ class BatchPlanner:
         """Apply the KV policy (engine.kv_policy) until `pages` are free,
         preempting nothing. Whether they are. The caller holds the lock."""
         self._wanted = None
-        return self._make_room(pages, soft_pins)
+        return self._make_room(pages, soft_pins) or (soft_pins and self.policy.last_resort(pages))
 
-    def _make_room(self, pages: int, soft_pins: bool) -> bool:
+    def _make_room(self, pages: int, soft_pins: bool, hold: frozenset[Sequence] = frozenset()) -> bool:
         if self.pool.num_free >= pages:
             return True
         everyone = self.sequences.all
@@ -126,8 +127,25 @@ class BatchPlanner:
             # matches then cost a step little.
             self._wanted = frozenset(p for r in self.queue.all() if self.programs.waits(r)
                                      for p in self.policy.cached_prefix(r.seq)[1])
-        return self.policy.make_room(pages, [s for s in everyone if not s.busy], soft_pins,
-                                     frozenset(s.key for s in everyone if s.busy), self._wanted)
+        idle = [s for s in everyone if not s.busy]
+        return self.policy.make_room(pages, idle, soft_pins, frozenset(s.key for s in everyone if s.busy),
+                                     self._wanted, hold)
+
+    def _outranking(self, req: Request) -> frozenset[Sequence]:
+        """The pinned idle sequences req's work waits for rather than take
+        their pages: those of an older conversation of req's tenant whose
+        program holds its place, due back closer than their bring-back
+        cost (KVPolicy.worth_waiting_for). Programs are served first come,
+        first served; a paused one is still being served. Other tenants'
+        pins give way by their share (KVPolicy). Stepped inline, nothing
+        comes back while the caller waits: nothing is held."""
+        if not (self.programs.enabled and self.programs.expect_returns):
+            return frozenset()
+        now, owner = time.monotonic(), owner_of(req.seq.namespace)
+        return frozenset(s for s in self.sequences.all
+                         if not s.busy and s.table.pages and s.pin_ttl is not None and s.arrival < req.seq.arrival
+                         and owner_of(s.namespace) == owner and self.programs.holds_place(s.key)
+                         and self.policy.worth_waiting_for(s, now))
 
     def _follows_a_prefill(self, req: Request) -> bool:
         """Whether a running request is computing a prompt that shares more
@@ -211,10 +229,19 @@ class BatchPlanner:
         """Make `pages` free for req: idle KV first, down to the sessions still
         inside their pin (the KV policy's order), and only then preemption of
         lower-priority requests holding pages, lowest first."""
-        while not self._make_room(pages, soft_pins=True):
+        if self.pool.num_free >= pages:
+            return True
+        hold = self._outranking(req)
+        self._held = bool(hold)  # req may wait for them rather than fail
+        while not self._make_room(pages, True, hold):
             victim = self._victim(req, scheduled)
             if victim is None:
-                return False
+                # req waits: for pinned KV due back, or for a request protected
+                # from preemption (it may give way on the step's second pass,
+                # plan). The tree goes only when nothing else can.
+                if hold or self._victim_later(req, scheduled):
+                    return False
+                return self.policy.last_resort(pages)
             self._preempt(victim)
         return True
 
@@ -225,14 +252,20 @@ class BatchPlanner:
         it would stall both. Else the lowest-priority request below req
         holding pages; one preempted before only once it has progressed
         since (unless the step would stall otherwise: see plan)."""
-        holders = [r for r in self.queue.all() if r not in scheduled and r is not req and r.seq.table.pages]
-        stalled = [r for r in holders if self.programs.waits(r)]
+        stalled = [r for r in self._holders(req, scheduled) if self.programs.waits(r)]
         if stalled:
             return max(stalled, key=Request.priority)
-        holders = [r for r in holders if r.priority() > req.priority()]
+        holders = [r for r in self._holders(req, scheduled) if r.priority() > req.priority()]
         if self._protect:
             holders = [r for r in holders if r.progress() > r.progress_at_preemption]
         return max(holders, key=Request.priority, default=None)
+
+    def _victim_later(self, req: Request, scheduled: set[Request]) -> bool:
+        """Whether a request protected this pass could give way on the second."""
+        return self._protect and any(r.priority() > req.priority() for r in self._holders(req, scheduled))
+
+    def _holders(self, req: Request, scheduled: set[Request]) -> list[Request]:
+        return [r for r in self.queue.all() if r not in scheduled and r is not req and r.seq.table.pages]
 
     def _preempt(self, req: Request) -> None:
         """Release req's pages (published to the prefix cache); its tokens and

@@ -155,7 +155,7 @@ class Engine:
         ps = self.pool.page_size
         tier_pages = self.tier.host_bytes // (self.tier.token_bytes * ps) if self.tier is not None else 0
         programs = ProgramAdmission(self.pool.num_pages + tier_pages, ps, self.sequences.family, program_admission,
-                                    policy.cached_prefix)
+                                    policy)
         self.scheduler = Scheduler(self.runner, self.pool, policy, self.sequences, self.limits, self.max_context,
                                    self.eos_token_ids, decode, self.drafters, programs)
         # Guards the pool, the sequences and the model (the scheduler's lock).

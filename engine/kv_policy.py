@@ -160,15 +160,23 @@ class KVPolicy:
                 within.append(s)
         return excess + within
 
+    def worth_waiting_for(self, seq: Sequence, now: float) -> bool:
+        """Whether a pinned idle sequence is due back closer than its bring-back
+        cost, either side: making work wait for it (at most that long before
+        and after it is expected) costs less than losing it. A wait of a
+        recompute's length, no longer, as in ski rental."""
+        return abs(self.retention.expected_back(seq) - now) < self.bring_back_s(seq)
+
     def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False,
-                  busy_keys: frozenset[str] = frozenset(), wanted: frozenset[int] = frozenset()) -> bool:
+                  busy_keys: frozenset[str] = frozenset(), wanted: frozenset[int] = frozenset(),
+                  hold: frozenset[Sequence] = frozenset()) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
         sequences past their pin in the retention policy's order, then the
         cached prefixes in `wanted` (those requests waiting for their program's
         admission will reuse: they are due back, unlike a session past its
         pin), and with soft_pins, then idle sequences still inside a finite
-        pin. busy_keys: the tier keys of sequences with a request. Whether
-        enough are free."""
+        pin but those in hold. busy_keys: the tier keys of sequences with a
+        request. Whether enough are free."""
         if self.pool.num_free >= pages:
             return True
         now = time.monotonic()
@@ -176,12 +184,16 @@ class KVPolicy:
         self._give_way(pages, sorted((s for s in idle if s.expired(now)), key=self.retention.eviction_key),
                        busy_keys, wanted)
         if self.pool.num_free < pages:
-            pinned = self._pins_order([s for s in idle if not s.expired(now)], now) if soft_pins else []
+            pinned = self._pins_order([s for s in idle if not s.expired(now) and s not in hold], now) if soft_pins else []
             self._give_way(pages, pinned, busy_keys, frozenset())
-        if soft_pins and self.radix is not None and self.pool.num_free < pages:
-            # The last resort before a request fails: pages only the tree
-            # holds inside it (a prefix a session holds its own copy of,
-            # below a path it still uses) go with the whole tree.
+        return self.pool.num_free >= pages
+
+    def last_resort(self, pages: int) -> bool:
+        """After idle KV and preemption, before a request fails: pages only the
+        prefix tree holds inside it (a prefix a session holds its own copy
+        of, below a path it still uses) go with the whole tree. Whether
+        `pages` are free then."""
+        if self.radix is not None and self.pool.num_free < pages:
             self.radix.clear()
         return self.pool.num_free >= pages
 

@@ -22,8 +22,20 @@ have thrashed queues instead; what a waiting program's turn will reuse
 from the prefix cache gives way only after idle sessions past their pin
 (engine.kv_policy). A program frees its place when it ends (its
 sequences close) or stays idle past its pin (its KV may then give way: it
-is parked). So that nothing waits on work that is not running, a program is
-also admitted whenever no admitted program has a request in flight.
+is parked).
+
+A program's next turn is expected to grow it as much as its own later turns
+did (a moving estimate); a program with none yet, as much as other
+programs' later turns did: its first turn carries its whole prompt, a poor
+guess of what a turn adds.
+
+So that nothing waits on work that is not running, a program that does not
+fit is still admitted when no admitted program has a request in flight and
+none is expected back (engine.retention) before the newcomer's turn would be
+computed: the pool would otherwise idle through their tool pauses, while
+admitting it just before one returns only trades that program's KV for
+the newcomer's. Stepped inline, nothing else can come back while the caller
+waits, so the wait is skipped (expect_returns).
 """
 from __future__ import annotations
 
@@ -31,11 +43,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from agentkv.engine.kv_policy import KVPolicy
 from agentkv.engine.request import Request
 from agentkv.engine.sequence import Sequence
 
-# The prefix cache's (length, pages) for a sequence holding no KV, (0, []) for one that holds some.
-Cached = Callable[[Sequence], tuple[int, list[int]]]
+# Weight of a new turn in the moving estimates of growth.
+SMOOTHING = 0.3
 
 
 @dataclass(eq=False)
@@ -44,19 +57,32 @@ class Program:
     delta: int = 0  # tokens its latest turn queued beyond what was held or cached
     reply: int = 0  # tokens its latest turn may draw
     cached: tuple[int, ...] = ()  # prefix-cache pages its latest turn will reuse
+    growth: int = 0  # tokens its next turn is expected to add
+
+
+@dataclass
+class Growth:
+    """What a program's turns added, kept while it lives (its place may come and go)."""
+    turns: int = 0
+    length: int = 0  # its tokens when its latest turn was noted
+    noted_at: float = -1.0  # that turn's request's queued_at: each turn is noted once
+    later: float | None = None  # moving estimate over its turns after the first
 
 
 class ProgramAdmission:
     def __init__(self, capacity_pages: int, page_size: int, family: Callable[[str], set[Sequence]],
-                 enabled: bool = True, cached: Cached | None = None):
+                 enabled: bool = True, policy: KVPolicy | None = None):
         self.capacity = capacity_pages  # the pool's plus the second tier's host memory's, in pages
         self.page_size = page_size
         # A program's live sequences (Sequences.family): its session, and a fork
         # working a turn, which the session adopts when the turn ends.
         self.family = family
         self.enabled = enabled
-        self.cached = cached
+        self.policy = policy
+        self.expect_returns = False  # a loop serves others while a request waits (Scheduler.start)
         self.admitted: dict[str, Program] = {}
+        self._growth: dict[str, Growth] = {}
+        self._later: float | None = None  # moving estimate of any program's later turns' growth
         self.refusals = 0  # requests a step left waiting for their program's admission
         self._queue_closed = False  # this pass refused a program: later ones wait too
 
@@ -68,6 +94,8 @@ class ProgramAdmission:
             if not family or all(not s.busy and s.pin_ttl is not None and now - s.idle_since >= s.pin_ttl
                                  for s in family):
                 del self.admitted[key]
+        for key in [k for k in self._growth if k not in self.admitted and not self.family(k)]:
+            del self._growth[key]  # the program ended
         self._queue_closed = False
 
     def admit(self, req: Request) -> bool:
@@ -85,7 +113,7 @@ class ProgramAdmission:
         if not self._queue_closed:
             candidate = Program(seq.key)
             self._note_turn(candidate, req)
-            if not self._running() or self._fits(candidate):
+            if self._fits(candidate) or self._idle_for(candidate):
                 self.admitted[seq.key] = candidate
                 return True
         # First come, first served: a program that came later never passes one left waiting.
@@ -93,12 +121,26 @@ class ProgramAdmission:
         self.refusals += 1
         return False
 
+    def holds_place(self, key: str) -> bool:
+        return key in self.admitted
+
     def waits(self, req: Request) -> bool:
         """Whether req waits for its program's place (none held yet)."""
         return self.enabled and not req.admitted and req.seq.key not in self.admitted
 
-    def _running(self) -> bool:
-        return any(s.busy for key in self.admitted for s in self.family(key))
+    def _idle_for(self, candidate: Program) -> bool:
+        """Whether no admitted program runs or is expected back before the
+        candidate's turn would be computed."""
+        policy = self.policy
+        turn_s = candidate.delta * (policy.prefill_s_per_token or 0.0) if policy is not None else 0.0
+        horizon = time.monotonic() + turn_s
+        for key in self.admitted:
+            for s in self.family(key):
+                if s.busy:
+                    return False
+                if self.expect_returns and policy is not None and policy.retention.expected_back(s) < horizon:
+                    return False
+        return True
 
     def _fits(self, candidate: Program) -> bool:
         """Whether the admitted programs' working sets and the candidate's fit:
@@ -112,7 +154,7 @@ class ProgramAdmission:
                 held.update(s.table.held_pages())
             held.update(p.cached)
             pending = p.delta if p is candidate else max((s.pending for s in family), default=0)
-            tokens += pending + p.delta + p.reply
+            tokens += pending + p.growth + p.reply
         return len(held) + -(-tokens // self.page_size) <= self.capacity
 
     def evict(self, key: str) -> None:
@@ -123,10 +165,22 @@ class ProgramAdmission:
     def _note_turn(self, p: Program, req: Request) -> None:
         seq = req.seq
         # As the KV policy reuses it: a sequence holding no KV starts from the cached prefix.
-        length, pages = self.cached(seq) if self.cached is not None else (0, [])
+        length, pages = self.policy.cached_prefix(seq) if self.policy is not None else (0, [])
         p.cached = tuple(pages)
         p.delta = len(seq.tokens) - max(seq.table.length, length)
         p.reply = req.params.max_tokens if req.params is not None else 0
+        # What this turn adds to the program (its tokens past its last turn's), once per turn.
+        g = self._growth.setdefault(p.key, Growth())
+        if g.noted_at != req.queued_at:
+            g.noted_at = req.queued_at
+            if g.turns:
+                added = len(seq.tokens) - g.length
+                g.later = added if g.later is None else (1 - SMOOTHING) * g.later + SMOOTHING * added
+                self._later = added if self._later is None else (1 - SMOOTHING) * self._later + SMOOTHING * added
+            g.turns += 1
+            g.length = len(seq.tokens)
+        guess = g.later if g.later is not None else self._later
+        p.growth = round(guess) if guess is not None else p.delta
 
     def counts(self, waiting: list[Request], idle: list[Sequence]) -> dict[str, int]:
         """Programs admitted; queued (a request waits, no place); parked (KV

@@ -7,8 +7,13 @@ that called the tool ending to the session's next turn arriving, times a
 margin, within a floor and a cap. A client that says how long its tool will
 take is believed, within the cap. Past the pin the session is offloadable.
 A session whose turn ended with a final answer is retained at lower
-priority: pinned for final_ttl (default 0) and, among the offloadable, the
-first to go.
+priority: pinned, the same way, for the pause its tenant's sessions take
+after a final answer before their next turn (agents' next user turn often
+follows at once; a chat user's takes minutes, past the cap), final_ttl
+until one is observed; among the offloadable, the first to go. Pins follow
+what the server sees, not what it parses: a reply it cannot read as calls
+(cut short, a format it does not know) is a final answer whose pause is
+still learned.
 
 Order under memory pressure (engine.kv_policy, engine.batch_planner):
 unused cached prefixes (LRU); offloadable sessions, final answers before
@@ -66,6 +71,8 @@ class Retention:
         # least recently observed first: each tenant's tools are its own, so
         # no tenant's pauses set another's pins.
         self._tools: dict[str, OrderedDict[str, list]] = {}
+        # owner -> [moving estimate of the pause after a final answer, observations]
+        self._answers: dict[str, list] = {}
         self._lock = threading.Lock()
 
     @property
@@ -87,10 +94,13 @@ class Retention:
     def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
         """A turn on seq ended: awaiting these tools, or (none) a final answer."""
         seq.awaiting = tuple(tools) or None
+        seq.answered = not tools and not self.lru
         if self.lru:
             seq.pin_ttl = 0.0
         elif not tools:
-            seq.pin_ttl = self.config.final_ttl
+            with self._lock:
+                known = self._answers.get(owner_of(seq.namespace))
+            seq.pin_ttl = self.config.final_ttl if known is None else self._clamp(known[0] * self.config.margin)
         elif expected_s is not None:
             seq.pin_ttl = self._clamp(expected_s * self.config.margin)
         else:
@@ -98,13 +108,17 @@ class Retention:
 
     def resumed(self, seq: Sequence, now: float) -> None:
         """seq's next request arrived: the pause is an observation of its tools."""
-        tools, seq.awaiting = seq.awaiting, None
-        if not tools or self.lru:
+        tools, answered, seq.awaiting, seq.answered = seq.awaiting, seq.answered, None, False
+        if not (tools or answered) or self.lru:
             return
         pause = min(now - seq.idle_since, self.config.tool_ttl_cap)
         a = self.config.smoothing
         owner = owner_of(seq.namespace)
         with self._lock:
+            if not tools:
+                old = self._answers.get(owner)
+                self._answers[owner] = [pause, 1] if old is None else [(1 - a) * old[0] + a * pause, old[1] + 1]
+                return
             known = self._tools.setdefault(owner, OrderedDict())
             for t in tools:
                 old = known.pop(t, None)
@@ -124,7 +138,8 @@ class Retention:
         its pin's end."""
         if seq.pin_ttl is None:
             return math.inf
-        pause = seq.pin_ttl / self.config.margin if seq.awaiting and self.config.margin > 0 else seq.pin_ttl
+        paused = seq.awaiting or seq.answered
+        pause = seq.pin_ttl / self.config.margin if paused and self.config.margin > 0 else seq.pin_ttl
         return seq.idle_since + pause
 
     def estimates(self, owner: str = "default") -> dict[str, dict]:
@@ -132,3 +147,11 @@ class Retention:
         with self._lock:
             items = [(t, p, n) for t, (p, n) in self._tools.get(owner, {}).items()]
         return {t: {"pause_s": p, "pin_s": self.tool_ttl(owner, (t,)), "observed": n} for t, p, n in items}
+
+    def answer_estimate(self, owner: str = "default") -> dict | None:
+        """owner's pause after a final answer, as estimates gives a tool's; None until observed."""
+        with self._lock:
+            known = self._answers.get(owner)
+        if known is None:
+            return None
+        return {"pause_s": known[0], "pin_s": self._clamp(known[0] * self.config.margin), "observed": known[1]}

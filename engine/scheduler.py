@@ -180,6 +180,7 @@ class Scheduler:
         # The caller's OpenMP workers (it loaded the model or stepped inline) would idle beside the
         # loop's and slow every step the loop runs (engine.openmp_pool).
         release_openmp_pool()
+        self.programs.expect_returns = True
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="agentkv-scheduler", daemon=True)
         self._thread.start()
@@ -191,6 +192,7 @@ class Scheduler:
             self._wake.set()
             self._thread.join()
             self._thread = None
+            self.programs.expect_returns = False
         with self.lock:
             for req in self.queue.all():
                 self.outputs.fail(req, EngineError("the scheduler stopped before the request finished"))

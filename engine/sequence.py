@@ -48,6 +48,7 @@ class Sequence:
     # The tools its last turn called and is waiting for (engine.retention);
     # None: a final answer, or no turn yet.
     awaiting: tuple[str, ...] | None = None
+    answered: bool = False  # its last turn ended with a final answer: its next one ends that pause
     # Names its KV in the second tier (cache.kv_tier); the forks that work
     # a session's turns share it with the session.
     key: str = field(default_factory=lambda: secrets.token_hex(8))

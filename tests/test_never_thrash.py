@@ -213,10 +213,70 @@ def test_a_program_keeps_its_place_while_its_tool_runs(ckpt):
     s.end_turn(["build"], expected_s=1000.0)
     programs.start_pass()
     assert list(programs.admitted) == [s.key]  # pinned for its tool: it keeps its place
-    s.end_turn([])  # a final answer: pinned for final_ttl (0), its place goes
+    s.end_turn([])  # a final answer, no pause after one seen yet: pinned for final_ttl (0), its place goes
     programs.start_pass()
     assert not programs.admitted
+    work = s.fork_for_turn()  # the next user turn follows at once, as agents' do: that pause is learned
+    work.queue(ids(6, 91))
+    work.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    s.adopt(work)
+    s.end_turn([])
+    assert s.pin_ttl > 0
+    programs.start_pass()
+    assert list(programs.admitted) == [s.key]  # it keeps its place across the answer
     s.close()
+
+
+def test_a_newcomer_waits_only_for_a_program_due_back_before_its_turn_is_done(ckpt):
+    # 32 pages: the admitted program holds 21 in its tool pause; a newcomer's
+    # 60-token program does not fit beside it. Admitting it anyway uses the
+    # idle pool only if the paused program is not back first.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0,
+                                    retention=RetentionConfig(tool_ttl_floor=0.0))
+    sched, programs = engine.scheduler, engine.scheduler.programs
+    programs.expect_returns = True  # as while the serving loop runs: others can come back meanwhile
+    sched.policy.prefill_s_per_token = 1.0  # the newcomer's turn would take a minute
+    paused, newcomer = engine.session(), engine.session()
+    paused.queue(ids(80, 92))
+    paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    paused.end_turn(["build"], expected_s=2.0)  # back in 2 s
+    newcomer.queue(ids(60, 93))
+    req = newcomer.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.step()
+    assert programs.waits(req) and list(programs.admitted) == [paused.key]
+    paused.end_turn(["build"], expected_s=1000.0)  # a long tool: the pool would idle through it
+    sched.step()
+    assert not programs.waits(req) and set(programs.admitted) == {paused.key, newcomer.key}
+    sched.wait(req)
+    assert req.error is None
+    programs.evict(newcomer.key)
+    paused.end_turn(["build"], expected_s=0.0)  # due back at once...
+    newcomer.queue(ids(60, 94))
+    req = newcomer.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.step()  # ...but its pin (0) has run out: its place goes, the newcomer's turn runs
+    assert not programs.waits(req) and list(programs.admitted) == [newcomer.key]
+    sched.wait(req)
+    for s in (paused, newcomer):
+        s.close()
+
+
+def test_a_young_programs_growth_is_what_other_programs_later_turns_added(ckpt):
+    # A program's first turn carries its whole prompt: as a guess of what its
+    # next turn adds it kept growing programs out and let young ones thrash.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=256, prefix_cache=False, kv_offload_bytes=0)
+    programs = engine.scheduler.programs
+    old, young = engine.session(), engine.session()
+    old.queue(ids(40, 95))
+    old.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    assert programs.admitted[old.key].growth == 40  # nothing seen yet: its own delta
+    old.queue(ids(12, 96))
+    old.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    assert programs.admitted[old.key].growth == 16  # its reply and the next delta
+    young.queue(ids(40, 97))
+    young.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    assert programs.admitted[young.key].growth == 16  # what later turns add, not its first prompt
+    for s in (old, young):
+        s.close()
 
 
 def test_a_program_waiting_for_its_place_keeps_its_cached_prefix_past_idle_sessions(ckpt, roomy):
@@ -289,5 +349,40 @@ def test_a_turn_waiting_for_its_programs_place_gives_its_kv_to_running_work(ckpt
     assert long.output == alone(roomy, [ids(40, 102)], 56)[0]
     assert [first, nxt.output] == alone(roomy, [ids(40, 101), ids(8, 103)], 4)
     assert sched.programs.refusals > 0
+    for s in (older, younger):
+        s.close()
+
+
+def test_younger_work_waits_for_an_older_programs_kv_due_back_sooner_than_its_recompute(ckpt, roomy):
+    # 32 pages. The older program's 84 tokens (21 pages) are paused for a tool
+    # due back in 7 s; bringing them back would cost 8.4 s (84 tokens at
+    # 0.1 s): the younger program's prefill waits for them rather than take
+    # their pages. Once the older one is paused for a long tool, the younger
+    # one takes them.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0,
+                                    retention=RetentionConfig(tool_ttl_floor=0.0),
+                                    limits=Limits(max_num_batched_tokens=16, prefill_chunk=8))
+    sched, programs = engine.scheduler, engine.scheduler.programs
+    programs.expect_returns = True  # as while the serving loop runs
+    older, younger = engine.session(), engine.session()
+    older.queue(ids(80, 110))
+    first = older.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.policy.prefill_s_per_token = 0.1
+    older.end_turn(["build"], expected_s=7.0)
+    younger.queue(ids(60, 111))  # its turn (6 s) ends before the older one is back: admitted
+    req = younger.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    for _ in range(20):
+        sched.step()
+        engine.pool.check()
+    assert not programs.waits(req) and not req.done.is_set()
+    assert len(older.table.pages) == 21  # held: the younger one's prefill waits
+    older.queue(ids(8, 112))  # back: it runs first
+    nxt = older.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.wait(nxt)
+    older.end_turn(["build"], expected_s=1000.0)  # a long tool: waiting for it would cost more than its recompute
+    sched.wait(req)
+    assert req.error is None and nxt.error is None
+    assert [first, nxt.output] == alone(roomy, [ids(80, 110), ids(8, 112)], 4)
+    assert req.output == alone(roomy, [ids(60, 111)], 4)[0]
     for s in (older, younger):
         s.close()

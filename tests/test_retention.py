@@ -18,7 +18,7 @@ class _Seq:
     """What the policy reads of a sequence."""
 
     def __init__(self, namespace: str = "default"):
-        self.awaiting, self.pin_ttl, self.idle_since = None, None, time.monotonic()
+        self.awaiting, self.answered, self.pin_ttl, self.idle_since = None, False, None, time.monotonic()
         self.namespace = namespace
 
 
@@ -90,11 +90,39 @@ def test_a_tenants_tool_names_are_bounded():
 def test_lru_mode_pins_nothing_and_learns_nothing():
     r = Retention(RetentionConfig(mode="lru"))
     seq = _Seq()
-    r.end_turn(seq, ["search"])
-    assert seq.pin_ttl == 0.0
-    seq.idle_since -= 5
-    r.resumed(seq, time.monotonic())
-    assert r.estimates() == {}
+    for tools in (["search"], []):
+        r.end_turn(seq, tools)
+        assert seq.pin_ttl == 0.0
+        seq.idle_since -= 5
+        r.resumed(seq, time.monotonic())
+    assert r.estimates() == {} and r.answer_estimate() is None
+
+
+def test_the_pause_after_a_final_answer_is_learned_per_tenant():
+    # Agents' next user turn often follows an answer at once; a reply the
+    # server cannot read as calls is an answer too. Either way the pause
+    # before the next turn is what the pin should follow, not a fixed 0.
+    r = Retention(RetentionConfig(final_ttl=0.0, tool_ttl_floor=1.0, tool_ttl_cap=60.0, margin=2.0, smoothing=0.5))
+    agent, other = _Seq("alice"), _Seq("bob")
+    r.end_turn(agent, [])
+    assert agent.answered and agent.awaiting is None and agent.pin_ttl == 0.0  # never observed: final_ttl
+    agent.idle_since = time.monotonic() - 3.0
+    r.resumed(agent, time.monotonic())
+    assert not agent.answered
+    assert r.answer_estimate("alice")["pause_s"] == pytest.approx(3.0, abs=0.05)
+    r.end_turn(agent, [])
+    assert agent.pin_ttl == pytest.approx(6.0, abs=0.1)  # the pause times the margin
+    assert r.expected_back(agent) == pytest.approx(agent.idle_since + 3.0, abs=0.05)
+    agent.idle_since = time.monotonic() - 0.2
+    r.resumed(agent, time.monotonic())
+    r.end_turn(agent, [])
+    assert agent.pin_ttl == pytest.approx(3.2, abs=0.1)  # the moving estimate (3 + 0.2) / 2, times the margin
+    assert r.estimates("alice") == {}  # an answer is no tool
+    r.end_turn(other, [])
+    assert other.pin_ttl == 0.0 and r.answer_estimate("bob") is None  # one tenant's users set no other's pins
+    agent.idle_since = time.monotonic() - 1000.0
+    r.resumed(agent, time.monotonic())  # a user gone for good: the cap, never more
+    assert r.answer_estimate("alice")["pause_s"] <= 60.0
 
 
 def test_bad_retention_config_is_refused():
