@@ -108,8 +108,8 @@ class ProgramAdmission:
         if not self.enabled:
             return True
         # Once one program waits this step, the rest do (checked first: a
-        # long queue costs the step nothing more); else it must fit while
-        # any admitted program is running.
+        # long queue costs the step nothing more); else it must fit, or the
+        # pool be idle until its turn is done (_idle_for).
         if not self._queue_closed:
             candidate = Program(seq.key)
             self._note_turn(candidate, req)
@@ -145,7 +145,8 @@ class ProgramAdmission:
     def _fits(self, candidate: Program) -> bool:
         """Whether the admitted programs' working sets and the candidate's fit:
         the pages they hold or will reuse (each once), what each one's turn
-        still has to compute and as much again for its next, and the replies."""
+        still has to compute, what its next turn is expected to add, and the
+        replies."""
         held: set[int] = set()
         tokens = 0
         for p in (*self.admitted.values(), candidate):

@@ -4,8 +4,8 @@ A session whose turn ended on tool calls is awaiting those tools: its pages
 stay pinned for as long as the tools usually take (Continuum's tool-aware
 TTL): a moving estimate per tool name of the pauses observed, from the turn
 that called the tool ending to the session's next turn arriving, times a
-margin, within a floor and a cap. A client that says how long its tool will
-take is believed, within the cap. Past the pin the session is offloadable.
+margin, within a floor and a cap. A client that says how long its pause
+will be (X-Tool-Expected-Seconds) is believed, within the cap. Past the pin the session is offloadable.
 A session whose turn ended with a final answer is retained at lower
 priority: pinned, the same way, for the pause its tenant's sessions take
 after a final answer before their next turn (agents' next user turn often
@@ -92,17 +92,18 @@ class Retention:
         return self._clamp(max(pauses, default=c.tool_ttl_default) * c.margin)
 
     def end_turn(self, seq: Sequence, tools: list[str], expected_s: float | None = None) -> None:
-        """A turn on seq ended: awaiting these tools, or (none) a final answer."""
+        """A turn on seq ended: awaiting these tools, or (none) a final answer;
+        expected_s: the client's word for the pause before its next turn."""
         seq.awaiting = tuple(tools) or None
         seq.answered = not tools and not self.lru
         if self.lru:
             seq.pin_ttl = 0.0
+        elif expected_s is not None:
+            seq.pin_ttl = self._clamp(expected_s * self.config.margin)
         elif not tools:
             with self._lock:
                 known = self._answers.get(owner_of(seq.namespace))
             seq.pin_ttl = self.config.final_ttl if known is None else self._clamp(known[0] * self.config.margin)
-        elif expected_s is not None:
-            seq.pin_ttl = self._clamp(expected_s * self.config.margin)
         else:
             seq.pin_ttl = self.tool_ttl(owner_of(seq.namespace), seq.awaiting)
 

@@ -117,17 +117,24 @@ class Session:
         return seq.pin_ttl is None or time.monotonic() - seq.idle_since < seq.pin_ttl
 
     @property
+    def pin_left_s(self) -> float | None:
+        """Seconds its pin still runs (0 past it); None: pinned until released."""
+        seq = self._seq
+        return None if seq.pin_ttl is None else max(0.0, seq.pin_ttl - (time.monotonic() - seq.idle_since))
+
+    @property
     def awaiting(self) -> tuple[str, ...] | None:
         """The tools its last turn called (None: a final answer, or no turn yet)."""
         return self._seq.awaiting
 
     def end_turn(self, tools: list[str], expected_s: float | None = None) -> None:
         """Tell the retention policy how the turn ended: on calls to these
-        tools (pinned for as long as they usually take, or for expected_s
-        when the client knows), or with none, a final answer (retained at
-        lower priority). Engine.chat calls it itself."""
+        tools (pinned for as long as they usually take), or with none, a
+        final answer (pinned for as long as its tenant's next turns took to
+        come, at lower priority); expected_s: the client's word for the
+        pause, either way. Engine.chat calls it itself."""
         if expected_s is not None and not expected_s >= 0:
-            raise InvalidRequestError(f"expected tool time must be >= 0 seconds, got {expected_s!r}")
+            raise InvalidRequestError(f"the expected pause must be >= 0 seconds, got {expected_s!r}")
         self._sequences.end_turn(self._seq, list(tools), expected_s)
 
     def retain(self, seconds: float | None = None) -> None:

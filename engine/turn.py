@@ -39,6 +39,7 @@ updates the session.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -114,11 +115,12 @@ class Prompt:
 class Turn:
     def __init__(self, host: TurnHost, session: "Session | None", work: "Session", owned: bool, request: Request,
                  prompt: Prompt, prompt_len: int, stops: list[str], tools: list[dict] | None, logged: bool,
-                 canonical_reply: bool, preposition: bool):
+                 canonical_reply: bool, preposition: bool, expected_pause_s: float | None = None):
         self.host, self.session, self.work, self.owned, self.request = host, session, work, owned, request
         self.prompt, self.prompt_len, self.stops, self.tools = prompt, prompt_len, stops, tools
         self.logged = logged  # whether the session's message log is kept up to date
         self.canonical_reply, self.preposition = canonical_reply, preposition
+        self.expected_pause_s = expected_pause_s
         # The reply's calls are read with the template's format where tools are
         # offered, never otherwise: a reply's text is never a call the client did not get.
         self.tool_format: ToolCallFormat | None = host.tokenizer.tool_call_format if tools else None
@@ -141,6 +143,7 @@ class Turn:
         on_tokens: OnTokens | None = None,
         on_done: OnDone | None = None,
         namespace: str = "default",
+        expected_pause_s: float | None = None,
         **sampling,
     ) -> "Turn":
         """Find what the session holds, queue the rest and the turn's request.
@@ -152,7 +155,13 @@ class Turn:
         spells its text, not as sampled (see canonicalize), so that it holds
         what rendering the whole conversation gives, token for token.
         preposition: whether a reply of tool calls is followed by the opening
-        of their results (None: the engine's setting)."""
+        of their results (None: the engine's setting).
+        expected_pause_s: the client's word for the pause before the session's
+        next turn (its tools' run time, or its user's after an answer): the
+        session's KV is pinned for it (engine.retention) instead of the
+        learned estimate."""
+        if expected_pause_s is not None and not 0 <= expected_pause_s < math.inf:
+            raise InvalidRequestError(f"the expected pause must be >= 0 seconds, got {expected_pause_s!r}")
         if host.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
         chat = isinstance(prompt, Conversation)
@@ -191,7 +200,7 @@ class Turn:
         stops = sampling.get("stop") or ()
         return cls(host, session, work, owned, req, planned, prompt_len,
                    [stops] if isinstance(stops, str) else list(stops), tools, chat and native, canonical_reply,
-                   host.preposition if preposition is None else preposition)
+                   host.preposition if preposition is None else preposition, expected_pause_s)
 
     def cancel(self) -> None:
         self.request.cancel()
@@ -215,7 +224,7 @@ class Turn:
             if held is not None:
                 if self.canonical_reply:
                     canonicalize(host.tokenizer, held, self.prompt_len)
-                held.end_turn([c["name"] for c in calls])
+                held.end_turn([c["name"] for c in calls], self.expected_pause_s)
                 if self.logged:
                     reply = reply_message(content, calls)
                     held.message_log = self._log(held, reply)

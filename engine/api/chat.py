@@ -14,6 +14,14 @@ the chunk with the finish reason, then usage (with stream_options.
 include_usage), then [DONE]. An error before the first token is answered with
 its HTTP status; one after it, as an error event.
 
+Agent hints: an `X-Tool-Expected-Seconds` header says how long the client
+expects to pause before the session's next turn (its tools' run time when
+the reply calls tools; its user's after an answer): the session's KV is
+pinned for that (engine.retention, within its cap) instead of the learned
+estimate. A session's end is its DELETE (engine.api.session_routes): its
+program's place is freed and its KV left to the prefix cache, unused, the
+first to go.
+
 A client that disconnects (streaming or not) cancels its request within one
 step: the session is left as it was before the request, and its pages and
 lease are given back.
@@ -59,6 +67,8 @@ from agentkv.engine.api.state import ApiState
 from agentkv.engine.api.tenants import Tenant, tenant_of
 
 router = APIRouter()
+# An hour: past it a pause is a session left alone; the retention cap bounds the pin anyway.
+MAX_EXPECTED_PAUSE_S = 3600.0
 
 
 def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
@@ -108,6 +118,7 @@ async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     x_session_id: Annotated[str | None, Header(pattern=SESSION_ID_PATTERN)] = None,
+    x_tool_expected_seconds: Annotated[float | None, Header(ge=0, le=MAX_EXPECTED_PAUSE_S)] = None,
 ):
     api: ApiState = request.app.state.api
     api.check_model(body.model)
@@ -120,7 +131,7 @@ async def chat_completions(
     text = ReplyText(api.tokenizer, body.stops(), api.tool_format if offered_tools(tools, tool_choice(body)) else None)
     tenant = tenant_of(request)
     gen = await Generation.begin(lambda on_tokens, on_done: _ChatTurn.begin(
-        api, tenant, session_id, body, messages, tools, max_tokens, on_tokens, on_done))
+        api, tenant, session_id, body, messages, tools, max_tokens, on_tokens, on_done, x_tool_expected_seconds))
     meta = ChunkMeta(body.model)
     if not body.stream:
         return _completion(meta, text, await gen.result_unless_gone(request))
@@ -138,6 +149,7 @@ class _ChatTurn:
     def begin(
         cls, api: ApiState, tenant: Tenant, session_id: str | None, body: ChatCompletionRequest,
         messages: list[dict], tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
+        expected_pause_s: float | None = None,
     ) -> "_ChatTurn":
         start = time.perf_counter()
         api.check_kv_quota(tenant)
@@ -150,7 +162,7 @@ class _ChatTurn:
                 max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested),
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
                 ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
-                namespace=tenant.namespace(body.cache_salt), **constraints(body),
+                namespace=tenant.namespace(body.cache_salt), expected_pause_s=expected_pause_s, **constraints(body),
             )
         except BaseException:  # nothing was queued: nothing else will release the lease
             if lease is not None:

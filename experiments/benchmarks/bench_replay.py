@@ -8,13 +8,16 @@ Every system gets the identical request stream (each agent's whole
 history, greedy, exactly --max-tokens generated with ignore_eos; a digest
 of every body is compared across systems and printed) and the same KV
 tokens (whole --unit-token blocks; on a CPU our host tier would be the
-same RAM, so there is none). Systems, each its own server started fresh:
+same RAM, so there is none but in agentkv-int8tier, which splits the same
+bytes). Systems, each its own server started fresh:
 
 - agentkv: serve.py as shipped (a session per agent, tool-aware retention,
   program admission, native continuation, token-granular reuse), speculation
   off (--drafter none), as the headline's every system;
 - the one-engine ablations: agentkv-lru (minus retention: idle KV by LRU,
   token-granular), agentkv-noadmit (minus program admission),
+  agentkv-int8tier (the same bytes split: a pool that holds the longest
+  request, the rest a host tier of int8 KV),
   agentkv-block128 / agentkv-block16 (vLLM's prefix caching re-done on our
   engine: no sessions, whole blocks, LRU, no admission), agentkv-nonative
   (template-faithful continuation), agentkv-torch (the torch path instead of
@@ -71,6 +74,10 @@ class System:
     sessions: bool = True  # each agent's requests carry its X-Session-Id
     env: dict = field(default_factory=dict)
     vllm: bool = False
+    # The budget's bytes split: the pool holds the longest request (a step
+    # computes in the pool), the rest is a host tier of int8 KV, about twice
+    # the tokens in the same bytes (on a CPU the tier is the same RAM).
+    int8_tier: bool = False
 
 
 SYSTEMS = {s.name: s for s in (
@@ -82,6 +89,7 @@ SYSTEMS = {s.name: s for s in (
     System("agentkv-nonative", ("--continuation", "template-faithful", "--drafter", "none")),
     System("agentkv-torch", ("--drafter", "none"), env={"AGENTKV_KERNELS": "torch"}),
     System("agentkv-spec", ("--drafter", "suffix")),
+    System("agentkv-int8tier", ("--drafter", "none", "--kv-offload-codec", "int8"), int8_tier=True),
     System("vllm", sessions=False, vllm=True),
     System("vllm-spec", ("--speculative-config", NGRAM), sessions=False, vllm=True),
 )}
@@ -123,8 +131,12 @@ def start_server(system: System, args: argparse.Namespace, cell: dict, log: Path
         return start_vllm_server(args.model, threads=args.threads, dtype=args.dtype, kv_gb=kv_gb,
                                  max_model_len=cell["max_model_len"], served_model_name="bench", extra_args=extra,
                                  log=log)
+    pool = tokens
+    if system.int8_tier:
+        pool = min(tokens, -(-(cell["longest_request_tokens"] + args.max_tokens) // UNIT) * UNIT)
     # bytes / 2**30 is exact in binary floating point: serve.py's int(gb * 2**30) gets the bytes back.
-    flags = ["--dtype", args.dtype, "--kv-cache-gb", repr(tokens * token_bytes / 2**30), "--kv-offload-gb", "0",
+    flags = ["--dtype", args.dtype, "--kv-cache-gb", repr(pool * token_bytes / 2**30),
+             "--kv-offload-gb", repr((tokens - pool) * token_bytes / 2**30),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
              "--prefill-chunk", str(args.prefill_chunk), "--no-constrain-auto", "--served-model-name", "bench",
              *system.flags]
