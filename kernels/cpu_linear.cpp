@@ -20,6 +20,17 @@
 // order with the same instruction whatever the tile it falls in (a tile's
 // rows and blocks only share loads), so a row's result does not depend on
 // how many rows share the call or where it sits among them.
+//
+// AMX (built where the CPU has AMX-BF16 and Linux grants the tile state): a
+// bf16 weight whose `in` is a multiple of 32 runs on the tile unit at every
+// row count, one row as many (vdpbf16ps and tdpbf16ps sum a pair in another
+// order, so one weight never mixes them). The packed block is already
+// tdpbf16ps's B layout: 16 input pairs x 16 outputs per 1 KiB tile. Rows go
+// 16 to a tile, a short last tile padded with zero rows in a buffer; each
+// row's sums run over `in` in tile order whatever shares its tile, so the
+// invariance above holds. Prefill chunks gain most (oneDNN's AMX matmuls
+// were several times the vector kernel there, docs/bench_cpu_linear.md),
+// and a decode step stays bound by reading the weights.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +43,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -236,6 +251,135 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, La
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AGENTKV_LINEAR_AMX 1
+constexpr int64_t kAmxRows = 16;   // rows per tile
+constexpr int64_t kAmxPairs = 16;  // input pairs per tile (64 bytes of a row)
+
+// Linux hands out the tile state only on request, once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-3 the sums of 2 row tiles x 2 blocks, 4-5 the rows, 6-7 the blocks' weights.
+void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Row tile t of x (16 rows from row 16 t) and its stride in bytes; the short
+// last one from pad, its rows followed by zero rows.
+struct AmxRows {
+  const uint16_t* x;
+  int64_t ldx, full;  // full: whole tiles in x
+  const uint16_t* pad;
+  int64_t in;
+  const uint16_t* tile(int64_t t, int64_t& stride) const {
+    if (t < full) {
+      stride = ldx * 2;
+      return x + t * kAmxRows * ldx;
+    }
+    stride = in * 2;
+    return pad;
+  }
+};
+
+void amx_store(const Args<c10::BFloat16>& a, const float* sums, int64_t row, int64_t rows, int64_t blk) {
+  const int64_t col = blk * kBlock;
+  const int64_t n = std::min<int64_t>(kBlock, a.out - col);
+  const Lanes b = a.bias ? bias_lanes(a.bias + col, n) : Lanes::zero();
+  for (int64_t r = 0; r < kAmxRows && row + r < rows; ++r) {
+    const Lanes acc = Lanes::load(sums + r * kBlock);
+    store_lanes(a.y + (row + r) * a.ldy + col, a.bias ? acc + b : acc, n);
+  }
+}
+
+void run_amx(const Args<c10::BFloat16>& a, int64_t rows) {
+  const int64_t blocks = (a.out + kBlock - 1) / kBlock;
+  const int64_t chunks = a.in / (2 * kAmxPairs);
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(a.x);
+  const int64_t full = rows / kAmxRows, tiles = (rows + kAmxRows - 1) / kAmxRows;
+  std::vector<uint16_t> pad;
+  if (full < tiles) {
+    pad.assign(kAmxRows * a.in, 0);
+    for (int64_t r = full * kAmxRows; r < rows; ++r)
+      std::memcpy(pad.data() + (r - full * kAmxRows) * a.in, x + r * a.ldx, a.in * 2);
+  }
+  const AmxRows xs{x, a.ldx, full, pad.data(), a.in};
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    amx_configure();
+    alignas(64) float sums[4][kAmxRows * kBlock];
+    for (int64_t blk = b0; blk < b1; blk += 2) {
+      const bool two = blk + 1 < b1;  // the second block's tile runs zeros when there is none
+      const uint16_t* w0 = reinterpret_cast<const uint16_t*>(a.w + blk * a.block_len);
+      const uint16_t* w1 = two ? w0 + a.block_len : w0;
+      for (int64_t t = 0; t < tiles; t += 2) {
+        const int64_t row = t * kAmxRows;
+        int64_t s0, s1 = 0;
+        const uint16_t* x0 = xs.tile(t, s0);
+        const bool second = t + 1 < tiles;
+        const uint16_t* x1 = second ? xs.tile(t + 1, s1) : x0;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if (second) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t k = c * 2 * kAmxPairs;  // input index
+            _tile_loadd(4, x0 + k, s0);
+            _tile_loadd(5, x1 + k, s1);
+            _tile_loadd(6, w0 + k * kBlock, 64);
+            _tile_loadd(7, w1 + k * kBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        } else {  // one row tile (a decode step's): the same sums, half the tile work
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t k = c * 2 * kAmxPairs;
+            _tile_loadd(4, x0 + k, s0);
+            _tile_loadd(6, w0 + k * kBlock, 64);
+            _tile_loadd(7, w1 + k * kBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        amx_store(a, sums[0], row, rows, blk);
+        if (two) amx_store(a, sums[1], row, rows, blk + 1);
+        if (second) {
+          amx_store(a, sums[2], row + kAmxRows, rows, blk);
+          if (two) amx_store(a, sums[3], row + kAmxRows, rows, blk + 1);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool amx_runs(const Args<c10::BFloat16>& a) { return a.in % (2 * kAmxPairs) == 0 && amx_permitted(); }
+#endif
+
 template <typename T, int R, int V>
 void tile(const Args<T>& a, int64_t row, int64_t blk) {
   Lanes acc[R][V];
@@ -290,6 +434,11 @@ void run_tile(const Args<T>& a, int64_t row, int r, int64_t blk, int v) {
 
 template <typename T>
 void run(const Args<T>& a, int64_t rows) {
+#ifdef AGENTKV_LINEAR_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (amx_runs(a)) return run_amx(a, rows);
+  }
+#endif
   const int64_t blocks = (a.out + kBlock - 1) / kBlock;
   const int vecs = rows <= kWideRows ? kWideVecs<T> : kVecs<T>;
   // One chunk of blocks per thread: at a few rows the weights are the whole
@@ -348,6 +497,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   return y;
 }
 
+// Whether a bf16 weight with `in` a multiple of 32 runs on the tile unit here.
+bool amx() {
+#ifdef AGENTKV_LINEAR_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 std::vector<std::string> dtypes() {
   std::vector<std::string> names;
   if (compiled_for(at::kFloat)) names.emplace_back("float32");
@@ -360,6 +518,7 @@ std::vector<std::string> dtypes() {
 AGENTKV_LIBRARY(agentkv_cpu_linear, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out) -> Tensor");
   m.def("dtypes() -> str[]", &dtypes);
+  m.def("amx() -> bool", &amx);
 }
 
 AGENTKV_LIBRARY_IMPL(agentkv_cpu_linear, m) { m.impl("linear", &linear); }

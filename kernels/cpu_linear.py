@@ -8,8 +8,8 @@ cores on their own share of the blocks, accumulating in fp32 in input order,
 so a row's bits do not depend on how many rows share the call.
 
 The extension is compiled on first use (kernels/cpu_extension.py) with the
-AVX512 (fp32) and AVX512-BF16 (bf16) code this CPU runs; dtypes() says which
-it got. Without a compiler, CpuKernelUnavailable (callers fall back to oneDNN).
+AVX512 (fp32) and AVX512-BF16 (bf16) code this CPU runs, and AMX tiles for
+bf16 where it has them (amx()); dtypes() says which dtypes it got. Without a compiler, CpuKernelUnavailable (callers fall back to oneDNN).
 """
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def dtypes() -> tuple[torch.dtype, ...]:
         return tuple(getattr(torch, name) for name in extension.load().dtypes())
     except CpuKernelUnavailable:
         return ()
+
+
+def amx() -> bool:
+    """Whether bf16 weights whose inputs are a multiple of 32 run on the AMX
+    tile unit here (built with it, and the tile state granted)."""
+    try:
+        return bool(extension.load().amx())
+    except CpuKernelUnavailable:
+        return False
 
 
 @dataclass(frozen=True)

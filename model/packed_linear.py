@@ -1,17 +1,16 @@
 """Packed CPU linears: the weight-streaming C++ kernel (kernels/cpu_linear.py)
 where it runs, else oneDNN with weights packed once into its blocked layout.
 
-With oneDNN: its plain bf16 matmul is slow for thin inputs, and both
-dtypes gain on a few rows from packing. Engine, SmolLM2 shape, one thread, 2k context:
-bf16 decode step 63.7 -> 52.1 ms, 8-token verify 94.8 -> 65.9 ms; fp32
-8-token verify 134-160 -> 87-89 ms; prefill about even. The packed kernels
-also give each row the same result however many rows share the call, from
-two rows up (PackedWeights.linear pads fewer), which plain matmuls on CPU do
-not.
+With oneDNN: its plain bf16 matmul is slow for thin inputs, and both dtypes
+gain on a few rows from packing (docs/bench_cpu_linear.md). The packed
+kernels also give each row the same result however many rows share the
+call (PackedWeights.linear runs oneDNN in calls of ROWS rows), which plain
+matmuls on CPU do not.
 
 The C++ kernel reads the weights of a decode step at close to memory
-bandwidth where oneDNN reaches about 60% of it, and matches oneDNN on prefill
-chunks (docs/bench_cpu_linear.md), so where it builds it runs every linear.
+bandwidth where oneDNN reaches less, and on prefill chunks matches oneDNN
+(AMX tiles where the CPU has them, AVX-512 where not; docs/bench_cpu_linear.md),
+so where it builds it runs every linear.
 """
 from __future__ import annotations
 
@@ -43,15 +42,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# oneDNN's packed kernels give a row the same bits however many rows share
-# the call from two up, but one row takes another kernel, whose fp32 sums
-# differ from 1536 inputs on. Fewer rows than this are padded to it (with
-# zeros, dropped after): any count from two keeps the bits, and four ran
-# fastest. SmolLM2 shape, one thread, a decode step at 2k context in fp32:
-# one row as is 58.6 ms, padded to 2 rows 68.9, to 4 51.7, to 8 61.7, the
-# plain matmul 49.4; two decodes 78.5 ms as is, 62.8 padded; in bf16 one
-# decode 40.4 ms as is, 38.4 padded.
-MIN_ROWS = 4
+# oneDNN picks its kernel by the rows of a call (one row, a few, hundreds: on
+# an AMX host rows 64-512 of one call differ in their last bits from the same
+# rows in calls of 16 or 2048), so every call runs as calls of exactly this
+# many rows, the last padded with zero rows dropped after: one kernel, one
+# summation order per row, whatever shares it.
+ROWS = 16
 
 KERNELS = ("cpp", "onednn")
 
@@ -86,8 +82,8 @@ class PackedWeights:
     (Transformer.prepack) after one.
 
     Both give a row the same bits however many rows share the call (oneDNN
-    from MIN_ROWS rows up: linear pads fewer), but not the same bits as each
-    other: one model runs one of them for all its linears."""
+    through calls of ROWS rows), but not the same bits as each other: one
+    model runs one of them for all its linears."""
 
     def __init__(self, kernel: str = "onednn") -> None:
         if kernel not in KERNELS:
@@ -98,8 +94,8 @@ class PackedWeights:
 
     @property
     def min_rows(self) -> int:
-        """The fewest rows linear runs without padding them."""
-        return 1 if self.kernel == "cpp" else MIN_ROWS
+        """The fewest rows a forward should run (linear pads what it needs itself)."""
+        return 1
 
     def get(self, weight: torch.Tensor):
         entry = self._copies.get(id(weight))
@@ -112,8 +108,8 @@ class PackedWeights:
         """x [T, in] @ weight (+ bias) for weight stored [in, out], on its packed copy."""
         if self.kernel == "cpp":
             return cpu_linear.linear(x, self.get(weight), bias)
-        rows = x.shape[0]
-        if rows < MIN_ROWS:
-            x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
-            return packed_linear(x, self.get(weight), bias)[:rows]
-        return packed_linear(x, self.get(weight), bias)
+        rows, packed = x.shape[0], self.get(weight)
+        x = F.pad(x, (0, 0, 0, -rows % ROWS))
+        if x.shape[0] == ROWS:
+            return packed_linear(x, packed, bias)[:rows]
+        return torch.cat([packed_linear(chunk, packed, bias) for chunk in x.split(ROWS)])[:rows]

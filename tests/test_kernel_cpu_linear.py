@@ -108,6 +108,33 @@ def test_a_rows_bits_do_not_depend_on_the_batch(dtype, shape, threads):
         torch.set_num_threads(old)
 
 
+def test_amx_runs_where_the_cpu_has_it(cpu_isa):
+    """bf16 weights with inputs in multiples of 32 (the tests' shapes above
+    included) run on the AMX tiles wherever the AVX-512 build's CPU has
+    them: a tile path that silently fell back would leave prefill several
+    times slower with every test green."""
+    from agentkv.kernels.cpu_extension import _cpu_flags
+
+    has = {"amx_tile", "amx_bf16"} <= _cpu_flags() and cpu_isa == "avx512"
+    assert cpu_linear.amx() == has
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100])
+def test_amx_tiles_match_fp64_across_row_tiles(rows):
+    """Rows in whole and short 16-row tiles, one or two at a time, and an odd
+    count of 16-output blocks: each matches the fp64 sums as the vector code
+    does, and its bits do not depend on the rows beside it."""
+    needs(torch.bfloat16)
+    x, w, b = case(64, 48, rows, torch.bfloat16, True, seed=rows)
+    packed = cpu_linear.pack(w)
+    got = cpu_linear.linear(x, packed, b)
+    want = reference(x, w, b)
+    scale = (x.double().abs() @ w.double().abs()).max().item() + 1
+    torch.testing.assert_close(got.double(), want, atol=scale * 1e-5, rtol=2**-8)
+    for r in range(rows):
+        assert torch.equal(cpu_linear.linear(x[r : r + 1], packed, b)[0], got[r]), f"row {r} alone"
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_strided_rows_and_bad_input(dtype):
     needs(dtype)
