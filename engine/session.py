@@ -117,12 +117,6 @@ class Session:
         return seq.pin_ttl is None or time.monotonic() - seq.idle_since < seq.pin_ttl
 
     @property
-    def pin_left_s(self) -> float | None:
-        """Seconds its pin still runs (0 past it); None: pinned until released."""
-        seq = self._seq
-        return None if seq.pin_ttl is None else max(0.0, seq.pin_ttl - (time.monotonic() - seq.idle_since))
-
-    @property
     def awaiting(self) -> tuple[str, ...] | None:
         """The tools its last turn called (None: a final answer, or no turn yet)."""
         return self._seq.awaiting

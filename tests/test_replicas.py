@@ -89,6 +89,11 @@ def restored_tokens(replica_url: str) -> float:
     return parse_metrics(httpx.get(replica_url + "/metrics", timeout=30).text)["agentkv_kv_restored_tokens_total"]
 
 
+def disk_reads(replica_url: str) -> float:
+    """Bytes of KV the replica read back from the state directory's disk."""
+    return parse_metrics(httpx.get(replica_url + "/metrics", timeout=30).text)["agentkv_kv_disk_read_bytes_total"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, list[str]]:
     """16 sessions x 4 turns through the router, every turn landing on its session's replica."""
@@ -96,7 +101,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, list[str]]:
         histories = {s: [] for s in SESSIONS}
         replies = run_turns(c.url, histories, slice(None))
         held = [local_sessions(url) for url in c.replica_urls]
-        restored = [restored_tokens(url) for url in c.replica_urls]
+        read_back = [disk_reads(url) for url in c.replica_urls]
     assert all(held), "the ring spreads the sessions over both replicas"
     for s in SESSIONS:
         # Each session is on one replica only, which served all four turns.
@@ -105,7 +110,9 @@ def uninterrupted(tmp_path_factory) -> dict[str, list[str]]:
             before, now = replies[s][k - 1]["usage"], replies[s][k]["usage"]
             # The whole history was held: only the new message (and the reply's last token) computed.
             assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
-    assert restored == [0, 0]  # nothing came back from disk: no turn landed away from its session
+    # Nothing came back from disk: no turn landed away from its session (the
+    # host tier may give some back under the small pool's pressure).
+    assert read_back == [0, 0]
     return {s: [r["choices"][0]["message"]["content"] for r in replies[s]] for s in SESSIONS}
 
 

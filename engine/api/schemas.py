@@ -456,7 +456,6 @@ class SessionInfo(ResponseBody):
     pages: int
     busy: bool
     pinned: bool  # its KV stays in the pool unless nothing else can give way
-    pin_left_s: float | None  # how much longer; null: until released
     awaiting_tools: list[str] | None  # the tools its last turn called; null after a final answer
     tier_tokens: int  # tokens of its KV held in the second tier (host memory or disk)
     turns: list[TurnRecord]

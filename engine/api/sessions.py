@@ -316,7 +316,7 @@ class SessionRegistry:
             raise _unknown(session_id)
         s = entry.session
         return SessionInfo(
-            id=session_id, length=len(s), pages=s.pages_held, busy=entry.busy, pinned=s.pinned, pin_left_s=s.pin_left_s,
+            id=session_id, length=len(s), pages=s.pages_held, busy=entry.busy, pinned=s.pinned,
             awaiting_tools=list(s.awaiting) if s.awaiting else None, tier_tokens=s.tier_tokens, turns=list(entry.turns),
         )
 
