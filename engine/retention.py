@@ -33,6 +33,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from agentkv.engine.errors import InvalidRequestError
 from agentkv.engine.sequence import Sequence, owner_of
 
 MODES = ("tool", "lru")
@@ -62,6 +63,12 @@ class RetentionConfig:
                 raise ValueError(f"{name} must be >= 0")
         if not 0 < self.smoothing <= 1:
             raise ValueError("smoothing must be in (0, 1]")
+
+
+def check_pause(seconds: float | None) -> None:
+    """A client's expected pause is a finite number of seconds >= 0 (or None)."""
+    if seconds is not None and not 0 <= seconds < math.inf:
+        raise InvalidRequestError(f"the expected pause must be >= 0 seconds, got {seconds!r}")
 
 
 class Retention:

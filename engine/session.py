@@ -21,6 +21,7 @@ from agentkv.engine.errors import ContextLengthError, InvalidRequestError
 from agentkv.engine.grammar import Grammar, GrammarState
 from agentkv.engine.message_log import MessageLog
 from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.retention import check_pause
 from agentkv.engine.scheduler import Scheduler
 from agentkv.engine.sequence import Sequence
 from agentkv.engine.sequences import Sequences
@@ -127,8 +128,7 @@ class Session:
         final answer (pinned for as long as its tenant's next turns took to
         come, at lower priority); expected_s: the client's word for the
         pause, either way. Engine.chat calls it itself."""
-        if expected_s is not None and not expected_s >= 0:
-            raise InvalidRequestError(f"the expected pause must be >= 0 seconds, got {expected_s!r}")
+        check_pause(expected_s)
         self._sequences.end_turn(self._seq, list(tools), expected_s)
 
     def retain(self, seconds: float | None = None) -> None:

@@ -39,7 +39,6 @@ updates the session.
 from __future__ import annotations
 
 import json
-import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -48,6 +47,7 @@ from agentkv.cache.tokens import common_prefix_len
 from agentkv.engine.errors import ContextLengthError, InvalidRequestError
 from agentkv.engine.message_log import MessageLog, digest, tools_digest
 from agentkv.engine.request import OnDone, OnTokens, Request
+from agentkv.engine.retention import check_pause
 from agentkv.engine.sequence import owner_of
 from agentkv.engine.stats import TurnStats
 from agentkv.engine.stops import cut_at_stop
@@ -160,8 +160,7 @@ class Turn:
         next turn (its tools' run time, or its user's after an answer): the
         session's KV is pinned for it (engine.retention) instead of the
         learned estimate."""
-        if expected_pause_s is not None and not 0 <= expected_pause_s < math.inf:
-            raise InvalidRequestError(f"the expected pause must be >= 0 seconds, got {expected_pause_s!r}")
+        check_pause(expected_pause_s)
         if host.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: use the token-level session API")
         chat = isinstance(prompt, Conversation)
