@@ -81,15 +81,16 @@ class Sequences:
         if seq.busy:
             raise SessionBusyError("the session already has a request in flight")
 
-    def fork(self, seq: Sequence, for_turn: bool = False) -> Sequence:
+    def fork(self, seq: Sequence, for_turn: bool = False, counted: bool = True) -> Sequence:
         """A sequence sharing every page of seq (copy-on-write) and its
         conversation's priority. for_turn: it works seq's next turn, so it
-        shares seq's KV in the second tier, and seq's pause ends now."""
+        shares seq's KV in the second tier, and seq's pause ends now (never
+        counted). counted: see Sequence.counted."""
         with self.idle(seq):
             if for_turn:
                 self.policy.retention.resumed(seq, time.monotonic())
             return self.new(seq.namespace, seq.pin_ttl, seq.tokens, seq.table.fork(), seq.arrival,
-                            seq.key if for_turn else None, counted=not for_turn)
+                            seq.key if for_turn else None, counted=counted and not for_turn)
 
     def truncate(self, seq: Sequence, n: int) -> None:
         with self.idle(seq):

@@ -292,6 +292,20 @@ class Session:
         child.message_log = self.message_log
         return child
 
+    def hold_prefix(self, n: int, seconds: float) -> "Session":
+        """A fork of the first n tokens, pinned for `seconds` and not counted
+        against the session limit: a prefix a client asked to have kept (a
+        cache breakpoint), sharing this session's pages. Its pin is soft, as
+        every pin is (engine.kv_policy), within its tenant's share first."""
+        child = Session(self._context, self._sequences.fork(self._seq, counted=False))
+        try:
+            child.truncate(n)
+            child.retain(seconds)
+        except BaseException:
+            child.close()
+            raise
+        return child
+
     def fork_for_turn(self) -> "Session":
         """A fork that also takes over this session's draft index (kept in step
         lazily: whichever side ends up with it re-syncs from its tokens), so a
