@@ -43,7 +43,8 @@ from typing import Annotated, AsyncIterator
 
 from fastapi import APIRouter, Header, Request
 
-from agentkv.engine import Conversation, OnDone, OnTokens, Turn, TurnResult, offered_tools, tool_choice_error
+from agentkv.engine import Conversation, TurnResult, offered_tools, tool_choice_error
+from agentkv.engine.api.chat_turn import ChatTurn
 from agentkv.engine.api.errors import APIError
 from agentkv.engine.api.generation import Generation
 from agentkv.engine.api.replies import ReplyText, usage_of
@@ -58,17 +59,18 @@ from agentkv.engine.api.schemas import (
     ChunkToolCall,
     Delta,
     NamedToolChoice,
-    TurnRecord,
     template_message,
 )
-from agentkv.engine.api.sessions import Lease
 from agentkv.engine.api.sse import DONE, error_event, event, event_stream
 from agentkv.engine.api.state import ApiState
-from agentkv.engine.api.tenants import Tenant, tenant_of
+from agentkv.engine.api.tenants import tenant_of
 
 router = APIRouter()
 # An hour: past it a pause is a session left alone; the retention cap bounds the pin anyway.
 MAX_EXPECTED_PAUSE_S = 3600.0
+# The headers of the routes that take a whole conversation (chat completions, the Messages API).
+SessionHeader = Annotated[str | None, Header(pattern=SESSION_ID_PATTERN)]
+PauseHeader = Annotated[float | None, Header(ge=0, le=MAX_EXPECTED_PAUSE_S)]
 
 
 def pick_session_id(body_id: str | None, header_id: str | None) -> str | None:
@@ -117,8 +119,8 @@ class ChunkMeta:
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
-    x_session_id: Annotated[str | None, Header(pattern=SESSION_ID_PATTERN)] = None,
-    x_tool_expected_seconds: Annotated[float | None, Header(ge=0, le=MAX_EXPECTED_PAUSE_S)] = None,
+    x_session_id: SessionHeader = None,
+    x_tool_expected_seconds: PauseHeader = None,
 ):
     api: ApiState = request.app.state.api
     api.check_model(body.model)
@@ -130,64 +132,15 @@ async def chat_completions(
     max_tokens = pick_max_tokens(body)
     text = ReplyText(api.tokenizer, body.stops(), api.tool_format if offered_tools(tools, tool_choice(body)) else None)
     tenant = tenant_of(request)
-    gen = await Generation.begin(lambda on_tokens, on_done: _ChatTurn.begin(
-        api, tenant, session_id, body, messages, tools, max_tokens, on_tokens, on_done, x_tool_expected_seconds))
+    gen = await Generation.begin(lambda on_tokens, on_done: ChatTurn.begin(
+        api, tenant, session_id, Conversation(messages, tools), max_tokens, on_tokens, on_done,
+        cache_salt=body.cache_salt, expected_pause_s=x_tool_expected_seconds, temperature=body.temperature,
+        top_p=body.top_p, seed=body.seed, stop=body.stops(), ignore_eos=body.ignore_eos, **constraints(body)))
     meta = ChunkMeta(body.model)
     if not body.stream:
         return _completion(meta, text, await gen.result_unless_gone(request))
     await gen.started(request)
     return event_stream(_events(gen, text, meta, body.include_usage()), gen.abandon)
-
-
-class _ChatTurn:
-    """A chat turn begun on the engine; the lease ends when it is finished."""
-
-    def __init__(self, api: ApiState, lease: Lease | None, turn: Turn, start: float):
-        self.api, self.lease, self.turn, self.start = api, lease, turn, start
-
-    @classmethod
-    def begin(
-        cls, api: ApiState, tenant: Tenant, session_id: str | None, body: ChatCompletionRequest,
-        messages: list[dict], tools: list[dict] | None, requested: int | None, on_tokens: OnTokens, on_done: OnDone,
-        expected_pause_s: float | None = None,
-    ) -> "_ChatTurn":
-        start = time.perf_counter()
-        api.check_kv_quota(tenant)
-        lease = api.sessions.lease(tenant, session_id, create=True, cache_salt=body.cache_salt) if session_id else None
-        try:
-            # The budget depends on the prompt's length, which only the turn
-            # knows without rendering the history again.
-            turn = api.engine.start_turn(
-                Conversation(messages, tools), lease.session if lease else None,
-                max_tokens=lambda prompt_len: api.max_tokens(prompt_len, requested),
-                temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stops(),
-                ignore_eos=body.ignore_eos, on_tokens=on_tokens, on_done=on_done,
-                namespace=tenant.namespace(body.cache_salt), expected_pause_s=expected_pause_s, **constraints(body),
-            )
-        except BaseException:  # nothing was queued: nothing else will release the lease
-            if lease is not None:
-                lease.release()
-            raise
-        return cls(api, lease, turn, start)
-
-    def cancel(self) -> None:
-        self.turn.cancel()
-
-    def finish(self) -> TurnResult:
-        try:
-            result = self.turn.finish()
-            latency = time.perf_counter() - self.start
-            self.api.metrics.observe_turn(latency)
-            if self.lease is not None:
-                u, t = result.usage, result.stats
-                self.lease.record(TurnRecord(prompt_tokens=u["prompt_tokens"], cached_tokens=u["cached_tokens"],
-                                             completion_tokens=u["completion_tokens"], latency_s=latency,
-                                             queued_s=t.queued_s, prefill_s=t.prefill_s, decode_s=t.decode_s,
-                                             restored_tokens=t.restored_tokens, preemptions=t.preemptions))
-            return result
-        finally:
-            if self.lease is not None:
-                self.lease.release()
 
 
 def _completion(meta: ChunkMeta, text: ReplyText, result: TurnResult) -> ChatCompletion:

@@ -88,7 +88,7 @@ def from_exception(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0]
     # loc starts with where the value came from ("body", "header", ...): the param is what follows.
     loc = [str(part) for part in first.get("loc", ())[1:]]
@@ -102,7 +102,7 @@ async def _handle_api_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _handle_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return _validation_error(exc).response()
+    return validation_error(exc).response()
 
 
 async def _handle_http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -56,6 +56,11 @@ class Generation(Generic[T]):
         gen._pending = await run_in_threadpool(begin, gen._on_tokens, gen._on_done)
         return gen
 
+    @property
+    def pending(self) -> Pending[T]:
+        """The begun request (what begin returned)."""
+        return self._pending
+
     def _on_tokens(self, ids: list[int]) -> None:
         self._post(self._tokens.put_nowait, list(ids))
 
