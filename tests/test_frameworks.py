@@ -3,7 +3,8 @@ embedded default model: the OpenAI Agents SDK over chat completions and the
 Responses API (a triage agent hands off to an agent with a function tool and
 an output_type; Runner.run, then Runner.run_streamed going on from it), and
 LangChain's ChatOpenAI over both (bind_tools, invoked and streamed;
-with_structured_output by json_schema and by function calling).
+with_structured_output by json_schema and by function calling), and the
+README's snippets, Anthropic's SDK over /v1/messages among them.
 
 A run passes when the framework raises nothing, every tool call it gets
 parses and runs, call and response ids come back as the server gave them,
@@ -239,10 +240,16 @@ def readme_snippets(url: str) -> list:
 
 
 def test_readme_snippets_run_as_written(server):
-    agents_sdk, langchain = readme_snippets(server)
+    agents_sdk, langchain, anthropic_sdk = readme_snippets(server)
     run: dict = {}
     exec(agents_sdk, run)
     assert run["result"].last_agent.name == "weather" and isinstance(run["result"].final_output, run["Report"])
     chat: dict = {}
     exec(langchain, chat)
     assert chat["reply"].tool_calls[0]["name"] == "get_weather" and isinstance(chat["report"], chat["Report"])
+    messages: dict = {}
+    exec(anthropic_sdk, messages)
+    call, answer = messages["call"], messages["answer"]
+    assert call.name == "get_weather" and call.input["city"] == "Paris"
+    # The marked system prompt and the tools, at least, were read from the cache.
+    assert answer.usage.cache_read_input_tokens > 0 and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server over one Engine.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, the Responses
-API under /v1/responses, GET /v1/models, GET /v1/models/{model}, GET /health,
+API under /v1/responses, Anthropic's Messages API (POST /v1/messages and
+/v1/messages/count_tokens, with Anthropic's error bodies), GET /v1/models, GET /v1/models/{model}, GET /health,
 GET /metrics, and the session endpoints under /v1/sessions. The engine's
 scheduler runs while the app does, so that requests from every handler batch
 into shared forwards.
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from agentkv.engine.api import chat, completions, responses, session_routes
+from agentkv.engine.api import chat, completions, messages, responses, session_routes
 from agentkv.engine.api.errors import install_error_handlers
 from agentkv.engine.api.gate import Gate
+from agentkv.engine.api.messages_errors import answer_for
 from agentkv.engine.api.metrics import RequestCounter
 from agentkv.engine.api.quotas import Quotas
 from agentkv.engine.api.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
@@ -62,14 +64,15 @@ def create_app(engine: "Engine", model_name: str, max_stored_responses: int = DE
             engine.stop_serving()
             api.sessions.close_all()
             store.close_all()
+            api.cache_pins.close_all()
 
     app = FastAPI(title="agentkv", description="OpenAI-compatible API of a stateful engine", lifespan=lifespan)
     app.state.api = api
     install_error_handlers(app)
     public = frozenset({"/health", "/metrics"} if public_metrics else {"/health"})
-    app.add_middleware(Gate, keys=api.keys, quotas=api.quotas, public_paths=public)
+    app.add_middleware(Gate, keys=api.keys, quotas=api.quotas, public_paths=public, answer=answer_for)
     app.add_middleware(RequestCounter, metrics=api.metrics)  # outside the gate: refusals are counted too
-    for module in (chat, completions, responses, session_routes):
+    for module in (chat, completions, responses, messages, session_routes):
         app.include_router(module.router)
 
     @app.get("/health")

@@ -1,5 +1,5 @@
 """What every route needs: the engine, the served model's name, the session
-registry, the response store, the tenants' keys and quotas and the metrics,
+registry, the response store, the prefixes kept for cache breakpoints, the tenants' keys and quotas and the metrics,
 plus the checks they all make before generating."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentkv.engine.api.cache_pins import CachePins
 from agentkv.engine.api.errors import APIError, not_found
 from agentkv.engine.api.metrics import Metrics
 from agentkv.engine.api.quotas import FALLBACK_MAX_TOKENS, Quotas, check_held
@@ -31,6 +32,7 @@ class ApiState:
     keys: ApiKeys
     quotas: Quotas
     created: int = field(default_factory=lambda: int(time.time()))
+    cache_pins: CachePins = field(default_factory=CachePins)
 
     @classmethod
     def for_engine(cls, engine: "Engine", model_name: str, state_dir: str | Path | None = None,
@@ -53,11 +55,12 @@ class ApiState:
         return cls(engine, model_name, sessions, responses, Metrics(engine, sessions, model_name), keys, quotas)
 
     def check_kv_quota(self, tenant: Tenant) -> None:
-        """429 if the tenant's sessions and stored responses already hold
-        their quota of KV pages (before a request adds more)."""
+        """429 if the tenant's sessions, stored responses and kept cache
+        prefixes already hold their quota of KV pages (before a request adds more)."""
         limit = self.quotas.max_kv_pages
         if limit is not None and not self.keys.open:
-            sessions = self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
+            sessions = (self.sessions.sessions_of(tenant) + self.responses.sessions_of(tenant.name)
+                        + self.cache_pins.sessions_of(tenant.name))
             check_held("KV pages (in the pool and the second tier)", self.engine.kv_pages_held(sessions), limit,
                        "delete or truncate sessions, or delete stored responses")
 
