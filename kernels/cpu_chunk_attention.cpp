@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_library.h"
 
 #include <algorithm>
@@ -176,18 +177,6 @@ inline void accumulate_values_dp(const uint32_t* pp, const __m512i* pairs, int64
 }
 #endif
 
-// One thread's buffers, 64-byte aligned (vecf).
-template <int NV>
-struct Scratch {
-  static constexpr int64_t D = NV * kLanes;
-  std::vector<vecf> qt = std::vector<vecf>(D * kRowVecs);             // [D][kRows] scaled queries
-  std::vector<vecf> s = std::vector<vecf>(kTileKeys * kRowVecs);      // [keys][kRows] scores, then p
-  std::vector<vecf> o = std::vector<vecf>(kRows * NV);                // [kRows][D] unnormalised outputs
-  std::vector<vecf> kv = std::vector<vecf>(2 * kTileKeys * NV);       // bf16 K and V rows widened, or V pairs
-  std::vector<vecf> pp = std::vector<vecf>(kTileKeys / 2 * kRowVecs); // [keys/2][kRows] bf16 p pairs
-  float* f(std::vector<vecf>& v) { return reinterpret_cast<float*>(v.data()); }
-};
-
 struct Item {
   int64_t seq, head, row0, cost;
 };
@@ -197,12 +186,143 @@ struct Geometry {
   Strides ks, vs;
 };
 
+#ifdef AGENTKV_AMX
+// AMX, where it runs (bf16, head_dim a multiple of 32, pages a multiple of
+// 16 keys): both matmuls of a tile on the tile unit, the softmax as above.
+// Scores S^T [16 keys][16 rows] = K Q^T take 16 keys' rows straight from
+// their page as A (a block of 16 never crosses a page) and the query pairs
+// [D/2][kRows] as B; P V is computed transposed, O^T [16 dims][16 rows] =
+// V^T P^T, so that p pairs [keys/2][kRows] are B as the softmax writes them
+// and O^T's rows are vectors over rows, which alpha scales lane by lane. V^T
+// is the value pairs (keys 2i, 2i + 1 interleaved) transposed as 32-bit
+// words, once per tile for all rows. tdpbf16ps sums pairs in another order
+// than vdpbf16ps, but each row's sums still run in key order over tiles
+// fixed by position: a row's result depends on its own keys only.
+// Tiles: 0 a sum, 1-2 B, 3-6 A.
+
+// The score tile's A operands (tiles 3-6: a key block's rows, 32 dims a
+// slice) and its sum over N slices, B in tiles 1 and 2 by turns. Tile
+// numbers are the instructions' immediates: one line per slice.
+template <int N>
+inline void load_key_slices(const uint16_t* kp, int64_t stride) {
+  static_assert(N >= 1 && N <= 4, "head_dim 32 to 128");
+  _tile_loadd(3, kp, stride);
+  if constexpr (N > 1) _tile_loadd(4, kp + 32, stride);
+  if constexpr (N > 2) _tile_loadd(5, kp + 64, stride);
+  if constexpr (N > 3) _tile_loadd(6, kp + 96, stride);
+}
+
+template <int N>
+inline void dot_key_slices(const uint32_t* qw, int64_t r0) {
+  constexpr int64_t stride = kRows * 4, slice = 16 * kRows;  // query pairs of 32 dims
+  _tile_loadd(1, qw + r0, stride);
+  _tile_dpbf16ps(0, 3, 1);
+  if constexpr (N > 1) {
+    _tile_loadd(2, qw + slice + r0, stride);
+    _tile_dpbf16ps(0, 4, 2);
+  }
+  if constexpr (N > 2) {
+    _tile_loadd(1, qw + 2 * slice + r0, stride);
+    _tile_dpbf16ps(0, 5, 1);
+  }
+  if constexpr (N > 3) {
+    _tile_loadd(2, qw + 3 * slice + r0, stride);
+    _tile_dpbf16ps(0, 6, 2);
+  }
+}
+
+// Unscaled scores of the tile's keys [start, start + n) into s [keys][kRows],
+// 16 keys at a time; those past n are whatever the page holds, never read.
+template <int NV>
+inline void score_tile_amx(const uint32_t* qw, const uint16_t* k, const int32_t* table, const Geometry& g,
+                           int64_t head, int64_t start, int64_t n, float* s) {
+  for (int64_t j = 0; j < n; j += kTileRows) {
+    const int64_t key = start + j;
+    load_key_slices<NV / 2>(k + table[key / g.page_size] * g.ks.page + head * g.ks.head +
+                                   key % g.page_size * g.ks.slot,
+                               g.ks.slot * 2);
+    for (int64_t r0 = 0; r0 < kRows; r0 += kTileRows) {
+      _tile_zero(0);
+      dot_key_slices<NV / 2>(qw, r0);
+      _tile_stored(0, s + j * kRows + r0, kRows * 4);
+    }
+  }
+}
+
+// 16 rows of 16 32-bit words, stride vectors apart, transposed into dst [16][16].
+inline void transpose_words(const __m512i* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4 i + c], 128-bit lane L: column 4 L + c of rows 4 i .. 4 i + 3
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+    const __m512i x = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), y = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+    _mm512_storeu_si512(dst + c * 16, _mm512_shuffle_i32x4(a, x, 0x88));
+    _mm512_storeu_si512(dst + (8 + c) * 16, _mm512_shuffle_i32x4(a, x, 0xDD));
+    _mm512_storeu_si512(dst + (4 + c) * 16, _mm512_shuffle_i32x4(b, y, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * 16, _mm512_shuffle_i32x4(b, y, 0xDD));
+  }
+}
+
+// ot [D slots][kRows] = alpha ot + V^T P^T over the tile's keys, in blocks of
+// 32 (pairs and pp hold zeros past the tile's n keys up to the block's end).
+template <int NV>
+inline void accumulate_values_amx(const uint32_t* pp, const __m512i* pairs, int64_t blocks, const float* alpha,
+                                  float* ot, uint32_t* vt, float* sum) {
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int w = 0; w < NV; ++w) transpose_words(pairs + b * 16 * NV + w, NV, vt + (b * NV + w) * 256);
+  for (int64_t r0 = 0; r0 < kRows; r0 += kTileRows) {
+    _tile_loadd(1, pp + r0, kRows * 4);
+    if (blocks > 1) _tile_loadd(2, pp + 16 * kRows + r0, kRows * 4);
+    const vecf a = load_vec(alpha + r0);
+    for (int w = 0; w < NV; ++w) {
+      _tile_zero(0);
+      _tile_loadd(3, vt + w * 256, 64);
+      _tile_dpbf16ps(0, 3, 1);
+      if (blocks > 1) {
+        _tile_loadd(4, vt + (NV + w) * 256, 64);
+        _tile_dpbf16ps(0, 4, 2);
+      }
+      _tile_stored(0, sum, 64);
+      for (int i = 0; i < 16; ++i) {
+        float* row = ot + (w * 16 + i) * kRows + r0;
+        store_vec(row, load_vec(row) * a + load_vec(sum + i * 16));
+      }
+    }
+  }
+}
+#endif
+
+// One thread's buffers, 64-byte aligned (vecf).
+template <int NV>
+struct Scratch {
+  static constexpr int64_t D = NV * kLanes;
+  std::vector<vecf> qt = std::vector<vecf>(D * kRowVecs);             // [D][kRows] scaled queries
+  std::vector<vecf> s = std::vector<vecf>(kTileKeys * kRowVecs);      // [keys][kRows] scores, then p
+  std::vector<vecf> o = std::vector<vecf>(kRows * NV);                // [kRows][D] unnormalised outputs
+  std::vector<vecf> kv = std::vector<vecf>(2 * kTileKeys * NV);       // bf16 K and V rows widened, or V pairs
+  std::vector<vecf> pp = std::vector<vecf>(kTileKeys / 2 * kRowVecs); // [keys/2][kRows] bf16 p pairs
+  std::vector<vecf> vt = std::vector<vecf>(kTileKeys / 2 * NV);        // AMX: V^T, 16 x 16 words per 32 keys and slot vector
+  std::vector<vecf> sum = std::vector<vecf>(16 * 16 / kLanes);          // AMX: one tile of sums
+  float* f(std::vector<vecf>& v) { return reinterpret_cast<float*>(v.data()); }
+};
+
 // One item: rows [row0, row0 + kRows) of one (sequence, KV head), written
 // to out normalised.
 template <typename T, int NV>
 void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, const T* v, const int32_t* table,
                   const Geometry& g, int64_t head, int64_t num_q, int64_t s_len, int64_t row0, float scale, T* out,
-                  int64_t ot_stride, int64_t oh_stride, Scratch<NV>& buf) {
+                  int64_t ot_stride, int64_t oh_stride, bool amx, Scratch<NV>& buf) {
   constexpr int64_t D = NV * kLanes;
   constexpr bool dp = kDotBf16<T, NV>;
   const int64_t rows = std::min(kRows, num_q * g.group - row0);
@@ -266,6 +386,19 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
     }
     vecf tmax[kRowVecs];
     for (int w = 0; w < kRowVecs; ++w) tmax[w] = splat(kNegInf);
+#ifdef AGENTKV_AMX
+    if constexpr (dp) {
+      if (amx) {
+        score_tile_amx<NV>(reinterpret_cast<const uint32_t*>(qt), k, table, g, head, start, n, s);
+        for (int64_t jj = 0; jj < n; ++jj)
+          for (int w = 0; w < kRowVecs; ++w) {
+            const vecf x = load_vec(s + jj * kRows + w * kLanes) * scale;
+            store_vec(s + jj * kRows + w * kLanes, x);
+            tmax[w] = tmax[w] > x ? tmax[w] : x;
+          }
+      }
+    }
+#endif
     auto score = [&](auto kb, int64_t j) {
       constexpr int KB = decltype(kb)::value;
 #ifdef __AVX512BF16__
@@ -276,7 +409,7 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
 #endif
       if constexpr (!dp) score_keys<NV, KB>(qt, krow + j, s + j * kRows, tmax);
     };
-    int64_t j = 0;
+    int64_t j = amx ? n : 0;
     for (; j + kKeyBlock <= n; j += kKeyBlock) score(std::integral_constant<int, kKeyBlock>{}, j);
     switch (n - j) {
       case 1: score(std::integral_constant<int, 1>{}, j); break;
@@ -333,8 +466,19 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
     if constexpr (dp) {
       __m512i* pairs = reinterpret_cast<__m512i*>(buf.kv.data());
       pack_value_pairs<NV>(vrow, n, pairs);
-      const uint32_t* pp = reinterpret_cast<const uint32_t*>(buf.pp.data());
-      for (int64_t r = 0; r < kRows; r += RB) accumulate_values_dp<NV, RB>(pp, pairs, n, alpha, o, r);
+      uint32_t* pp = reinterpret_cast<uint32_t*>(buf.pp.data());
+#ifdef AGENTKV_AMX
+      if (amx) {
+        // The last block's pairs past the tile's keys: zeros, so that their products are (0 p for 0 v).
+        const int64_t blocks = (n + 31) / 32, used = (n + 1) / 2;
+        std::fill(pairs + used * NV, pairs + blocks * 16 * NV, _mm512_setzero_si512());
+        std::fill(pp + used * kRows, pp + blocks * 16 * kRows, 0u);
+        accumulate_values_amx<NV>(pp, pairs, blocks, alpha, o, reinterpret_cast<uint32_t*>(buf.vt.data()),
+                                  buf.f(buf.sum));
+      }
+#endif
+      if (!amx)
+        for (int64_t r = 0; r < kRows; r += RB) accumulate_values_dp<NV, RB>(pp, pairs, n, alpha, o, r);
     }
 #endif
     if constexpr (!dp)
@@ -345,7 +489,10 @@ void attend_block(const T* q, int64_t qt_stride, int64_t qh_stride, const T* k, 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
     T* dst = out + (row / g.group) * ot_stride + (head * g.group + row % g.group) * oh_stride;
-    for (int64_t d = 0; d < D; ++d) store(dst + d, o[r * D + acc_slot<T, NV>(d)] * inv[r]);
+    if (amx)  // O^T [slots][kRows]
+      for (int64_t d = 0; d < D; ++d) store(dst + d, o[acc_slot<T, NV>(d) * kRows + r] * inv[r]);
+    else
+      for (int64_t d = 0; d < D; ++d) store(dst + d, o[r * D + acc_slot<T, NV>(d)] * inv[r]);
   }
 }
 
@@ -385,16 +532,28 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t qts = q.stride(0), qhs = q.stride(1), ots = out.stride(0), ohs = out.stride(1);
+#ifdef AGENTKV_AMX
+  const bool amx = kDotBf16<T, NV> && g.page_size % kTileRows == 0 && amx_permitted();
+#else
+  const bool amx = false;
+#endif
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items.size());
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch<NV> buf;
+#ifdef AGENTKV_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t i = next++; i < int64_t(items.size()); i = next++) {
       const Item& it = items[i];
       const int64_t num_q = cu[it.seq + 1] - cu[it.seq];
       attend_block<T, NV>(qp + cu[it.seq] * qts, qts, qhs, kp, vp, tables + it.seq * block_tables.stride(0), g,
-                          it.head, num_q, lens[it.seq], it.row0, float(scale), op + cu[it.seq] * ots, ots, ohs, buf);
+                          it.head, num_q, lens[it.seq], it.row0, float(scale), op + cu[it.seq] * ots, ots, ohs, amx,
+                          buf);
     }
+#ifdef AGENTKV_AMX
+    if (amx) _tile_release();
+#endif
     (void)begin, (void)end;
   });
 }

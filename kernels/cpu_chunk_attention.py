@@ -25,7 +25,7 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 extension = cpu_extension.Extension(
     "agentkv_cpu_chunk_attention", SOURCE, "agentkv_cpu_chunk",
     lambda library: getattr(torch.ops, library).chunk_attention,
-    headers=[cpu_extension.ATTENTION_HEADER],
+    headers=[cpu_extension.ATTENTION_HEADER, cpu_extension.AMX_HEADER],
 )
 build_error, available = extension.build_error, extension.available
 

@@ -32,6 +32,8 @@ T = TypeVar("T")
 ATTENTION_HEADER = Path(__file__).with_name("cpu_attention.h")
 # The ISA-named torch library every kernel registers.
 LIBRARY_HEADER = Path(__file__).with_name("cpu_library.h")
+# The tile unit's grant and shape (the linear and chunk attention kernels).
+AMX_HEADER = Path(__file__).with_name("cpu_amx.h")
 
 
 class CpuKernelUnavailable(RuntimeError):

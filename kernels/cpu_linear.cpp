@@ -35,6 +35,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_library.h"
 
 #include <immintrin.h>
@@ -45,8 +46,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
@@ -251,37 +250,11 @@ inline void tile_bf16(const Args<c10::BFloat16>& a, int64_t row, int64_t blk, La
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define AGENTKV_LINEAR_AMX 1
-constexpr int64_t kAmxRows = 16;   // rows per tile
-constexpr int64_t kAmxPairs = 16;  // input pairs per tile (64 bytes of a row)
-
-// Linux hands out the tile state only on request, once per process.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0-3 the sums of 2 row tiles x 2 blocks, 4-5 the rows, 6-7 the blocks' weights.
-void amx_configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
+#ifdef AGENTKV_AMX
+using agentkv::amx_configure;
+using agentkv::amx_permitted;
+constexpr int64_t kAmxRows = agentkv::kTileRows;  // rows per tile
+constexpr int64_t kAmxPairs = 16;                 // input pairs per tile (64 bytes of a row)
 
 // Row tile t of x (16 rows from row 16 t) and its stride in bytes; the short
 // last one from pad, its rows followed by zero rows.
@@ -323,7 +296,7 @@ void run_amx(const Args<c10::BFloat16>& a, int64_t rows) {
   }
   const AmxRows xs{x, a.ldx, full, pad.data(), a.in};
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    amx_configure();
+    amx_configure();  // tiles 0-3 the sums of 2 row tiles x 2 blocks, 4-5 the rows, 6-7 the blocks' weights
     alignas(64) float sums[4][kAmxRows * kBlock];
     for (int64_t blk = b0; blk < b1; blk += 2) {
       const bool two = blk + 1 < b1;  // the second block's tile runs zeros when there is none
@@ -434,7 +407,7 @@ void run_tile(const Args<T>& a, int64_t row, int r, int64_t blk, int v) {
 
 template <typename T>
 void run(const Args<T>& a, int64_t rows) {
-#ifdef AGENTKV_LINEAR_AMX
+#ifdef AGENTKV_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (amx_runs(a)) return run_amx(a, rows);
   }
@@ -499,7 +472,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 
 // Whether a bf16 weight with `in` a multiple of 32 runs on the tile unit here.
 bool amx() {
-#ifdef AGENTKV_LINEAR_AMX
+#ifdef AGENTKV_AMX
   return amx_permitted();
 #else
   return false;

@@ -26,7 +26,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 BLOCK = 16  # outputs per packed block (kernels/cpu_linear.cpp's kBlock)
 
 extension = cpu_extension.Extension(
-    "agentkv_cpu_linear", SOURCE, "agentkv_cpu_linear", lambda library: getattr(torch.ops, library)
+    "agentkv_cpu_linear", SOURCE, "agentkv_cpu_linear", lambda library: getattr(torch.ops, library),
+    headers=[cpu_extension.AMX_HEADER],
 )
 build_error = extension.build_error
 

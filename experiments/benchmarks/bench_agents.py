@@ -94,6 +94,7 @@ COUNTERS = {
     "offload_s": "agentkv_kv_offload_seconds_total",
     "restore_s": "agentkv_kv_restore_seconds_total",
     "restored_tokens": "agentkv_kv_restored_tokens_total",
+    "step_s": "agentkv_step_seconds_total",
 }
 
 

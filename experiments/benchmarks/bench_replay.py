@@ -253,13 +253,17 @@ def summary_rows(summary: list[dict]) -> list[list]:
 
 TIMELINE = ("queued_s", "prefill_s", "decode_s", "other_s")
 TIMELINE_HEADERS = ["system", "agents", "budget / distinct", "repeat", "requests", "queued s", "prefill s", "decode s",
-                    "other s"]
+                    "other s", "engine busy"]
 
 
 def timeline_rows(rows: list[dict]) -> list[list]:
-    """Where our requests' latency went, summed over the run (server side)."""
+    """Where our requests' latency went, summed over the run (server side),
+    and the share of the run's wall time the engine spent in steps: what it
+    left idle while requests queued is what admission cost."""
     return [[r["system"], r["agents"], f"{r['fraction']:.0%}", r["repeat"], len(r["timeline"]),
-             *(fmt(sum(t[k] for t in r["timeline"])) for k in TIMELINE)] for r in rows if r["timeline"]]
+             *(fmt(sum(t[k] for t in r["timeline"])) for k in TIMELINE),
+             "n/a" if r.get("step_s") is None else f"{r['step_s'] / r['wall_s']:.0%}"]
+            for r in rows if r["timeline"]]
 
 
 def plot(res: dict, path: Path) -> None:
