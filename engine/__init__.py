@@ -47,6 +47,8 @@ _EXPORTS = {
     # A front end's saved records are made durable as the KV tier's files are.
     "fsync_dir": "agentkv.cache.kv_disk",
     "replace_durably": "agentkv.cache.kv_disk",
+    # How much of a prompt a front end's records share with held tokens (cache usage).
+    "common_prefix_len": "agentkv.cache.tokens",
 }
 
 __all__ = list(_EXPORTS)

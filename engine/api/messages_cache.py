@@ -16,8 +16,7 @@ covers them); input_tokens the rest.
 """
 from __future__ import annotations
 
-from agentkv.cache.tokens import common_prefix_len
-from agentkv.engine import Session, Tokenizer, TurnResult
+from agentkv.engine import Session, Tokenizer, TurnResult, common_prefix_len
 from agentkv.engine.api.cache_pins import CachePins
 from agentkv.engine.api.messages_prompt import Breakpoint
 from agentkv.engine.api.messages_schemas import TTL_SECONDS, CacheCreation, MessagesUsage
