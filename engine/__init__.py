@@ -23,6 +23,7 @@ _EXPORTS = {
     "OnTokens": "agentkv.engine.request",
     "Histogram": "agentkv.engine.stats",
     "EngineMetrics": "agentkv.engine.stats",
+    "STALLS": "agentkv.engine.stats",
     "MessageLog": "agentkv.engine.message_log",
     "first_stop": "agentkv.engine.stops",
     "EngineError": "agentkv.engine.errors",

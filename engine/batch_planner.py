@@ -2,7 +2,10 @@
 preemption.
 
 A request whose program (engine.programs) holds no place waits for one:
-programs are admitted whole, only while their KV fits.
+programs are admitted whole, only while their KV fits. A step that would
+otherwise have no work runs the first of them as a guest when its turn is
+done before an admitted program is expected back, on pages none is due back
+for.
 
 Requests run in priority order (Request.priority: a conversation's next turn
 by when the conversation began, then by arrival). A step takes, in that
@@ -36,7 +39,7 @@ from agentkv.engine.request import Request
 from agentkv.engine.request_queue import RequestQueue
 from agentkv.engine.sequence import Sequence, owner_of
 from agentkv.engine.sequences import Sequences
-from agentkv.engine.stats import SchedulerCounters
+from agentkv.engine.stats import STALLS, SchedulerCounters
 from agentkv.engine.step_item import StepItem
 from agentkv.engine.work import Work
 
@@ -54,12 +57,14 @@ class BatchPlanner:
         self._blocked = False  # this pass left a request waiting for pages others hold
         self._held = False  # the last _secure kept pinned KV due back from its request
         self._wanted: frozenset[int] | None = None  # see make_room; found again each pass
+        self._waited: set[str] = set()  # of STALLS: why this pass left requests waiting
 
     def plan(self) -> list[Work]:
         """This step's work, its requests admitted; a request that could
         never fit is failed (KVCapacityError)."""
         self._preempted_now.clear()
         self._wanted = None
+        self._waited = set()
         self.programs.start_pass()
         work = self._plan()
         if not work and self._blocked:
@@ -68,9 +73,12 @@ class BatchPlanner:
             self._protect = False
             work = self._plan()
             self._protect = True
+        if not work and "admission" in self._waited:
+            # The step would idle while programs wait for a place: the first runs as a guest.
+            work = self._plan(guests=True)
         return work
 
-    def _plan(self) -> list[Work]:
+    def _plan(self, guests: bool = False) -> list[Work]:
         budget = self.limits.max_num_batched_tokens
         work: list[Work] = []
         reserved = 0
@@ -82,15 +90,18 @@ class BatchPlanner:
                 continue
             if not req.admitted and len(self.queue.running) >= self.limits.max_num_seqs:
                 continue  # no free slot: it waits
-            if not req.admitted and not self.programs.admit(req):
+            if not req.admitted and not self.programs.admit(req, guests):
+                self._waited.add("admission")
                 continue  # its program waits whole for room
             if req.ready_logits is not None:
                 work.append(self._admit(Work(req, None, [])))
                 continue
             if not req.admitted:
                 if self._follows_a_prefill(req):
+                    self._waited.add("prefix")
                     continue  # waits to match what another request is computing now
                 if not self._find_kv(req, reserved, {x.req for x in work}) and work:
+                    self._waited.add("restore")
                     continue  # waits for room to restore the rest, rather than recompute it
             w = self._next_chunk(req)
             if len(w.item.tokens) > budget and work:
@@ -104,17 +115,25 @@ class BatchPlanner:
                     self.fail(req, KVCapacityError(needed, self.pool.num_free, self.pool.page_size))
                     continue
                 self._blocked = True  # waits for pages others hold, while they run
+                self._waited.add("pinned" if self._held else "pages")
                 continue
             reserved = needed
             budget -= len(w.item.tokens)
             work.append(self._admit(w))
         return work
 
+    def stall(self) -> str | None:
+        """Why the last plan left requests waiting, the first of STALLS that applies."""
+        return next((w for w in STALLS if w in self._waited), None)
+
     def make_room(self, pages: int, soft_pins: bool = False) -> bool:
         """Apply the KV policy (engine.kv_policy) until `pages` are free,
         preempting nothing. Whether they are. The caller holds the lock."""
         self._wanted = None
         return self._make_room(pages, soft_pins) or (soft_pins and self.policy.last_resort(pages))
+
+    def _guest(self, req: Request) -> bool:
+        return not self.programs.placed(req.seq.key)
 
     def _make_room(self, pages: int, soft_pins: bool, hold: frozenset[Sequence] = frozenset()) -> bool:
         if self.pool.num_free >= pages:
@@ -128,23 +147,26 @@ class BatchPlanner:
             self._wanted = frozenset(p for r in self.queue.all() if self.programs.waits(r)
                                      for p in self.policy.cached_prefix(r.seq)[1])
         idle = [s for s in everyone if not s.busy]
+        # A guest's idle KV (its program holds no place) goes with what is past its pin.
+        unplaced = frozenset(s for s in idle if not self.programs.placed(s.key))
         return self.policy.make_room(pages, idle, soft_pins, frozenset(s.key for s in everyone if s.busy),
-                                     self._wanted, hold)
+                                     self._wanted, hold, unplaced)
 
     def _outranking(self, req: Request) -> frozenset[Sequence]:
         """The pinned idle sequences req's work waits for rather than take
-        their pages: those of an older conversation of req's tenant whose
-        program holds its place, due back closer than their bring-back
-        cost (KVPolicy.worth_waiting_for). Programs are served first come,
-        first served; a paused one is still being served. Other tenants'
-        pins give way by their share (KVPolicy). Stepped inline, nothing
-        comes back while the caller waits: nothing is held."""
+        their pages: those whose program holds its place, due back closer
+        than their bring-back cost (KVPolicy.worth_waiting_for); for a
+        request holding a place, only an older conversation's of its
+        tenant. Programs are served first come, first served; a paused one
+        is still being served, and a guest runs on what they leave. Other
+        tenants' pins give way by their share (KVPolicy). Stepped inline,
+        nothing comes back while the caller waits: nothing is held."""
         if not (self.programs.enabled and self.programs.expect_returns):
             return frozenset()
-        now, owner = time.monotonic(), owner_of(req.seq.namespace)
+        now, owner, guest = time.monotonic(), owner_of(req.seq.namespace), self._guest(req)
         return frozenset(s for s in self.sequences.all
-                         if not s.busy and s.table.pages and s.pin_ttl is not None and s.arrival < req.seq.arrival
-                         and owner_of(s.namespace) == owner and self.programs.holds_place(s.key)
+                         if not s.busy and s.table.pages and s.pin_ttl is not None and self.programs.placed(s.key)
+                         and (guest or (s.arrival < req.seq.arrival and owner_of(s.namespace) == owner))
                          and self.policy.worth_waiting_for(s, now))
 
     def _follows_a_prefill(self, req: Request) -> bool:
@@ -249,16 +271,22 @@ class BatchPlanner:
         """A request whose program waits for its place, holding pages (its
         session's KV, which a turn's fork carries), whatever its priority:
         it cannot run before the admitted programs make room, so holding them
-        it would stall both. Else the lowest-priority request below req
-        holding pages; one preempted before only once it has progressed
-        since (unless the step would stall otherwise: see plan)."""
-        stalled = [r for r in self._holders(req, scheduled) if self.programs.waits(r)]
-        if stalled:
-            return max(stalled, key=Request.priority)
-        holders = [r for r in self._holders(req, scheduled) if r.priority() > req.priority()]
+        it would stall both; then a guest's, for a request holding a place.
+        Else the lowest-priority request below req holding pages. A guest
+        preempts only guests; a guest, like any request, preempted before
+        gives way again only once it has progressed since (unless the step
+        would stall otherwise: see plan)."""
+        holders, guest = self._holders(req, scheduled), self._guest(req)
+        if guest:
+            holders = [r for r in holders if self._guest(r)]
+        stalled = [r for r in holders if self.programs.waits(r)]
         if self._protect:
             holders = [r for r in holders if r.progress() > r.progress_at_preemption]
-        return max(holders, key=Request.priority, default=None)
+        if not guest:
+            stalled = stalled or [r for r in holders if self._guest(r)]
+        if stalled:
+            return max(stalled, key=Request.priority)
+        return max((r for r in holders if r.priority() > req.priority()), key=Request.priority, default=None)
 
     def _victim_later(self, req: Request, scheduled: set[Request]) -> bool:
         """Whether a request protected this pass could give way on the second."""

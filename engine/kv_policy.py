@@ -169,22 +169,24 @@ class KVPolicy:
 
     def make_room(self, pages: int, idle: Iterable[Sequence], soft_pins: bool = False,
                   busy_keys: frozenset[str] = frozenset(), wanted: frozenset[int] = frozenset(),
-                  hold: frozenset[Sequence] = frozenset()) -> bool:
+                  hold: frozenset[Sequence] = frozenset(), unplaced: frozenset[Sequence] = frozenset()) -> bool:
         """Free pages until `pages` are free: unused cached prefixes, then idle
         sequences past their pin in the retention policy's order, then the
         cached prefixes in `wanted` (those requests waiting for their program's
         admission will reuse: they are due back, unlike a session past its
         pin), and with soft_pins, then idle sequences still inside a finite
         pin but those in hold. busy_keys: the tier keys of sequences with a
-        request. Whether enough are free."""
+        request. unplaced: idle sequences whose program holds no place
+        (engine.programs: a guest's), which go with those past their pin.
+        Whether enough are free."""
         if self.pool.num_free >= pages:
             return True
         now = time.monotonic()
         idle = [s for s in idle if s.expired(math.inf)]
-        self._give_way(pages, sorted((s for s in idle if s.expired(now)), key=self.retention.eviction_key),
-                       busy_keys, wanted)
+        first = {s for s in idle if s.expired(now) or s in unplaced}
+        self._give_way(pages, sorted(first, key=self.retention.eviction_key), busy_keys, wanted)
         if self.pool.num_free < pages:
-            pinned = self._pins_order([s for s in idle if not s.expired(now) and s not in hold], now) if soft_pins else []
+            pinned = self._pins_order([s for s in idle if s not in first and s not in hold], now) if soft_pins else []
             self._give_way(pages, pinned, busy_keys, frozenset())
         return self.pool.num_free >= pages
 

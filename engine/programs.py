@@ -15,8 +15,11 @@ prefix apart admitted a few agents where the pool held them all.
 
 A new program's first request is admitted only while the admitted programs'
 working sets and its own fit the pool plus the second tier; otherwise it
-waits whole, and so does every program that came after it (first come,
-first served by program). Admitted programs keep their place across their
+waits whole. Programs are weighed first come, first served; a later one
+that fits where the first waiting one does not is admitted around it
+(backfilling), but only while that one has waited less than
+BACKFILL_WAIT_S: then every later program waits behind it, so none starves.
+Admitted programs keep their place across their
 tool pauses, so their KV is never traded against a newcomer's: what would
 have thrashed queues instead; what a waiting program's turn will reuse
 from the prefix cache gives way only after idle sessions past their pin
@@ -29,13 +32,18 @@ did (a moving estimate); a program with none yet, as much as other
 programs' later turns did: its first turn carries its whole prompt, a poor
 guess of what a turn adds.
 
-So that nothing waits on work that is not running, a program that does not
-fit is still admitted when no admitted program has a request in flight and
-none is expected back (engine.retention) before the newcomer's turn would be
-computed: the pool would otherwise idle through their tool pauses, while
-admitting it just before one returns only trades that program's KV for
-the newcomer's. Stepped inline, nothing else can come back while the caller
-waits, so the wait is skipped (expect_returns).
+So that the pool's compute does not idle through admitted programs' tool
+pauses while programs wait, a step that would have no work runs the first
+waiting program's request as a guest (engine.batch_planner) when its turn
+would be computed before any admitted program is expected back: it holds
+no place, takes only pages nothing admitted is due back for, never preempts
+an admitted program's request, and its KV gives way first. Started just
+before a program returns, it would only trade its work for that program's
+time; a program overdue from a long tool is expected to stay away about as
+long again (engine.retention.due_in). A guest's next turn is admitted whole
+once it fits, else it waits, or runs as a guest again. Stepped inline,
+nothing else can come back while the caller waits, so no return is
+expected (expect_returns).
 """
 from __future__ import annotations
 
@@ -49,6 +57,10 @@ from agentkv.engine.sequence import Sequence
 
 # Weight of a new turn in the moving estimates of growth.
 SMOOTHING = 0.3
+# Backfilling (ProgramAdmission._may_weigh): how long the first waiting
+# program may be passed over, and how many later ones a pass weighs.
+BACKFILL_WAIT_S = 30.0
+BACKFILL_PER_PASS = 8
 
 
 @dataclass(eq=False)
@@ -79,12 +91,16 @@ class ProgramAdmission:
         self.family = family
         self.enabled = enabled
         self.policy = policy
-        self.expect_returns = False  # a loop serves others while a request waits (Scheduler.start)
+        # A loop serves others while a request waits (Scheduler.start): idle
+        # KV may come back meanwhile, so work may wait for it (batch_planner).
+        self.expect_returns = False
         self.admitted: dict[str, Program] = {}
         self._growth: dict[str, Growth] = {}
         self._later: float | None = None  # moving estimate of any program's later turns' growth
         self.refusals = 0  # requests a step left waiting for their program's admission
-        self._queue_closed = False  # this pass refused a program: later ones wait too
+        self._head_since: float | None = None  # when the first program this pass left waiting queued
+        self._weighed = 0  # programs this pass left waiting
+        self._guest_taken = False  # this step weighed running a guest already
 
     def start_pass(self) -> None:
         """A step's planning begins: places of programs that ended or went idle past their pin are freed."""
@@ -96,10 +112,13 @@ class ProgramAdmission:
                 del self.admitted[key]
         for key in [k for k in self._growth if k not in self.admitted and not self.family(k)]:
             del self._growth[key]  # the program ended
-        self._queue_closed = False
+        self._head_since, self._weighed = None, 0
+        self._guest_taken = False
 
-    def admit(self, req: Request) -> bool:
-        """Whether req's program holds a place (taking one if it fits); False: req waits."""
+    def admit(self, req: Request, guest: bool = False) -> bool:
+        """Whether req may run: its program holds a place (taking one if it
+        fits), or, with guest (the step would have no work otherwise), it is
+        the first waiting program's and runs as a guest. False: req waits."""
         seq = req.seq
         p = self.admitted.get(seq.key)
         if p is not None:
@@ -107,22 +126,39 @@ class ProgramAdmission:
             return True
         if not self.enabled:
             return True
-        # Once one program waits this step, the rest do (checked first: a
-        # long queue costs the step nothing more); else it must fit, or the
-        # pool be idle until its turn is done (_idle_for).
-        if not self._queue_closed:
+        # It must fit, or be alone: the pool is then all its own.
+        weigh = self._may_weigh()
+        if weigh or (guest and not self._guest_taken):
             candidate = Program(seq.key)
             self._note_turn(candidate, req)
-            if self._fits(candidate) or self._idle_for(candidate):
+            if weigh and (self._fits(candidate) or not self.admitted):
                 self.admitted[seq.key] = candidate
                 return True
-        # First come, first served: a program that came later never passes one left waiting.
-        self._queue_closed = True
+            if guest and not self._guest_taken:
+                self._guest_taken = True  # the first waiting program only
+                if self._idle_for(candidate):
+                    return True
+        if self._head_since is None:
+            self._head_since = req.queued_at
+        self._weighed += 1
         self.refusals += 1
         return False
 
-    def holds_place(self, key: str) -> bool:
-        return key in self.admitted
+    def _may_weigh(self) -> bool:
+        """Whether the next waiting program may be weighed for a place this
+        pass: the first always; a later one, backfilling around those left
+        waiting (a smaller program fits where the first does not: served
+        strictly in order, agents with short turns waited behind one long
+        one for most of a run), only while the first has waited less than
+        BACKFILL_WAIT_S (then it is served first, so it never starves) and
+        at most BACKFILL_PER_PASS of them (a long queue costs a step little)."""
+        if self._head_since is None:
+            return True
+        return time.monotonic() - self._head_since < BACKFILL_WAIT_S and self._weighed <= BACKFILL_PER_PASS
+
+    def placed(self, key: str) -> bool:
+        """Whether the program runs by right: it holds a place, or admission is off."""
+        return not self.enabled or key in self.admitted
 
     def waits(self, req: Request) -> bool:
         """Whether req waits for its program's place (none held yet)."""
@@ -133,12 +169,12 @@ class ProgramAdmission:
         candidate's turn would be computed."""
         policy = self.policy
         turn_s = candidate.delta * (policy.prefill_s_per_token or 0.0) if policy is not None else 0.0
-        horizon = time.monotonic() + turn_s
+        now = time.monotonic()
         for key in self.admitted:
             for s in self.family(key):
                 if s.busy:
                     return False
-                if self.expect_returns and policy is not None and policy.retention.expected_back(s) < horizon:
+                if self.expect_returns and policy is not None and policy.retention.due_in(s, now) < turn_s:
                     return False
         return True
 

@@ -150,6 +150,14 @@ class Retention:
         pause = seq.pin_ttl / self.config.margin if paused and self.config.margin > 0 else seq.pin_ttl
         return seq.idle_since + pause
 
+    def due_in(self, seq: Sequence, now: float) -> float:
+        """Seconds until a pinned idle session's next turn is expected: what
+        is left of its estimated pause; once past it, as long again as it
+        has been paused (pauses are heavy-tailed: one that ran long is from
+        the tail, and likely to run longer)."""
+        left = self.expected_back(seq) - now
+        return left if left >= 0 else now - seq.idle_since
+
     def estimates(self, owner: str = "default") -> dict[str, dict]:
         """Per tool of owner's: the pause estimate (seconds), the pin it gives, observations."""
         with self._lock:

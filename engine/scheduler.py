@@ -212,8 +212,12 @@ class Scheduler:
                         self.outputs.fail(req, e)
                 busy = False
             if not busy:
+                stall = self.planner.stall() if len(self.queue) else None
+                idle_from = time.perf_counter()
                 self._wake.wait(0.05)
                 self._wake.clear()
+                if stall is not None:
+                    self.counters.stalled_s[stall] += time.perf_counter() - idle_from
 
     def step(self) -> bool:
         """One step; whether it did any work."""

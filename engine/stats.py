@@ -68,6 +68,12 @@ class Histogram:
         return list(zip(self.bounds, itertools.accumulate(self.counts)))
 
 
+# Why a step left requests waiting, the first that applies naming the stall:
+# a program's place, pinned KV due back, pages others hold, a prefix another
+# request is computing, room to restore from the second tier.
+STALLS = ("admission", "pinned", "pages", "prefix", "restore")
+
+
 @dataclass
 class SchedulerCounters:
     """What operators read off a server (vLLM's names in engine/api/metrics.py)."""
@@ -83,6 +89,8 @@ class SchedulerCounters:
     prepositioned_tokens: int = 0  # computed ahead of a turn, while idle (pre-positioning)
     step_s: float = 0.0  # wall time of steps that ran a forward
     forward_s: float = 0.0  # of that, in the forward
+    # Seconds the loop idled while requests waited, by STALLS: what the policy's waits cost.
+    stalled_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STALLS, 0.0))
     batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512)))
     queue_s: Histogram = field(default_factory=lambda: Histogram(
         (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)))

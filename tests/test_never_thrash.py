@@ -4,12 +4,15 @@ progress, and programs (a session's turns) are admitted whole only while
 their KV fits, queued rather than thrashed."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from agentkv import Engine
 from agentkv.engine.limits import Limits
+from agentkv.engine.programs import BACKFILL_WAIT_S
 from agentkv.engine.retention import RetentionConfig
 from tests.hf_models import make_hf_model
 from tests.test_kv_tier import ids
@@ -227,36 +230,81 @@ def test_a_program_keeps_its_place_while_its_tool_runs(ckpt):
     s.close()
 
 
-def test_a_newcomer_waits_only_for_a_program_due_back_before_its_turn_is_done(ckpt):
+def test_a_newcomer_runs_as_a_guest_on_what_the_admitted_programs_leave(ckpt, roomy):
     # 32 pages: the admitted program holds 21 in its tool pause; a newcomer's
-    # 60-token program does not fit beside it. Admitting it anyway uses the
-    # idle pool only if the paused program is not back first.
+    # 60-token program does not fit beside it. With nothing else to run it
+    # runs as a guest once its turn (60 s at 1 s a token) would be done
+    # before the paused program is back: holding no place, it takes no
+    # pinned KV due back sooner than its recompute (84 s), never preempts
+    # the admitted program, and its own KV gives way first when that program
+    # is back.
     engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0,
                                     retention=RetentionConfig(tool_ttl_floor=0.0))
     sched, programs = engine.scheduler, engine.scheduler.programs
     programs.expect_returns = True  # as while the serving loop runs: others can come back meanwhile
-    sched.policy.prefill_s_per_token = 1.0  # the newcomer's turn would take a minute
     paused, newcomer = engine.session(), engine.session()
     paused.queue(ids(80, 92))
-    paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    first = paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.policy.prefill_s_per_token = 1.0
     paused.end_turn(["build"], expected_s=2.0)  # back in 2 s
     newcomer.queue(ids(60, 93))
     req = newcomer.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
-    sched.step()
-    assert programs.waits(req) and list(programs.admitted) == [paused.key]
+    for _ in range(3):
+        sched.step()
+        engine.pool.check()
+    assert programs.waits(req) and not req.done.is_set()  # waits: the paused program is back first
+    assert len(paused.table.pages) == 21 and list(programs.admitted) == [paused.key]
     paused.end_turn(["build"], expected_s=1000.0)  # a long tool: the pool would idle through it
-    sched.step()
-    assert not programs.waits(req) and set(programs.admitted) == {paused.key, newcomer.key}
     sched.wait(req)
-    assert req.error is None
-    programs.evict(newcomer.key)
-    paused.end_turn(["build"], expected_s=0.0)  # due back at once...
-    newcomer.queue(ids(60, 94))
+    assert req.error is None and req.output == alone(roomy, [ids(60, 93)], 4)[0]
+    assert list(programs.admitted) == [paused.key]  # a guest holds no place
+    assert not paused.table.pages  # its pinned KV gave way to the guest
+    newcomer.end_turn(["build"], expected_s=1000.0)
+    paused.queue(ids(8, 94))  # back: the guest's KV, pinned as long, gives way first
+    nxt = paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    assert [first, nxt] == alone(roomy, [ids(80, 92), ids(8, 94)], 4)
+    assert not newcomer.table.pages and paused.table.pages
+    paused.close()
+    newcomer.queue(ids(8, 95))  # it fits now: its next turn takes a place
     req = newcomer.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
-    sched.step()  # ...but its pin (0) has run out: its place goes, the newcomer's turn runs
-    assert not programs.waits(req) and list(programs.admitted) == [newcomer.key]
     sched.wait(req)
-    for s in (paused, newcomer):
+    assert req.error is None and list(programs.admitted) == [newcomer.key]
+    newcomer.close()
+
+
+def test_a_small_program_is_admitted_around_a_large_one_until_that_one_has_waited_long(ckpt, roomy):
+    # 32 pages. The admitted program (20 tokens, paused for a long tool)
+    # counts 11 pages; the first waiting one (60 tokens) needs 31 and does
+    # not fit beside it; a later 8-token one (5 pages) does and is admitted
+    # around it. Once the large one has waited BACKFILL_WAIT_S, later ones
+    # wait behind it, so it cannot starve.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0)
+    sched, programs = engine.scheduler, engine.scheduler.programs
+    programs.expect_returns = True  # as while the serving loop runs
+    paused, large, small, later = (engine.session() for _ in range(4))
+    paused.queue(ids(20, 140))
+    paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.policy.prefill_s_per_token = 100.0  # the large one's turn outlasts the pause: it never runs as a guest
+    paused.end_turn(["build"], expected_s=1000.0)
+    large.queue(ids(60, 141))
+    big = large.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    small.queue(ids(8, 142))
+    quick = small.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.step()
+    assert programs.waits(big) and programs.placed(small.key)  # admitted around the large one
+    sched.wait(quick)
+    big.queued_at -= BACKFILL_WAIT_S  # as if it had waited that long
+    later.queue(ids(8, 143))
+    last = later.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.step()
+    assert programs.waits(last) and programs.waits(big)  # it would fit, but waits behind the large one
+    paused.close()
+    small.close()
+    for r in (big, last):
+        sched.wait(r)
+    assert [big.output, quick.output, last.output] == [alone(roomy, [p], 4)[0]
+                                                      for p in (ids(60, 141), ids(8, 142), ids(8, 143))]
+    for s in (large, later):
         s.close()
 
 
@@ -385,4 +433,31 @@ def test_younger_work_waits_for_an_older_programs_kv_due_back_sooner_than_its_re
     assert [first, nxt.output] == alone(roomy, [ids(80, 110), ids(8, 112)], 4)
     assert req.output == alone(roomy, [ids(60, 111)], 4)[0]
     for s in (older, younger):
+        s.close()
+
+
+def test_the_loop_counts_the_seconds_it_idles_while_a_program_waits_for_its_place(ckpt):
+    # What admission costs shows in the counters: the admitted program is
+    # paused, due back before the newcomer's turn would be done, so the loop
+    # idles with the newcomer waiting for a place, and says why.
+    engine = Engine.from_pretrained(ckpt, page_size=PS, num_pages=32, prefix_cache=False, kv_offload_bytes=0,
+                                    retention=RetentionConfig(tool_ttl_floor=0.0))
+    sched = engine.scheduler
+    paused, newcomer = engine.session(), engine.session()
+    paused.queue(ids(80, 130))
+    paused.generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.policy.prefill_s_per_token = 1.0
+    paused.end_turn(["build"], expected_s=30.0)
+    newcomer.queue(ids(60, 131))
+    req = newcomer.start_generate(max_tokens=4, ignore_eos=True, speculative=False)
+    sched.start()
+    try:
+        time.sleep(0.5)
+        stalled = dict(engine.metrics().counters.stalled_s)
+        assert not req.done.is_set()
+    finally:
+        sched.stop()  # fails the waiting request, rolled back
+    assert 0.3 < stalled["admission"] < 1.0
+    assert all(v == 0.0 for k, v in stalled.items() if k != "admission")
+    for s in (paused, newcomer):
         s.close()

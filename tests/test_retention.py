@@ -125,6 +125,18 @@ def test_the_pause_after_a_final_answer_is_learned_per_tenant():
     assert r.answer_estimate("alice")["pause_s"] <= 60.0
 
 
+def test_a_pause_past_its_estimate_is_expected_to_last_as_long_again():
+    # Tool pauses are heavy-tailed: one past its estimate is from the tail.
+    r = Retention(RetentionConfig(tool_ttl_floor=0.0, margin=2.0))
+    seq = _Seq()
+    r.end_turn(seq, ["build"], expected_s=4.0)
+    now = seq.idle_since + 1.0
+    assert r.due_in(seq, now) == pytest.approx(3.0)  # what is left of its estimate
+    assert r.due_in(seq, seq.idle_since + 10.0) == pytest.approx(10.0)  # overdue: as long again
+    seq.pin_ttl = None  # pinned for good: no turn is expected
+    assert r.due_in(seq, now) == float("inf")
+
+
 def test_bad_retention_config_is_refused():
     for bad in (dict(mode="fifo"), dict(tool_ttl_floor=5, tool_ttl_cap=1), dict(margin=-1), dict(smoothing=0)):
         with pytest.raises(ValueError):

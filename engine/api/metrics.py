@@ -111,6 +111,9 @@ class Metrics:
         out += _labelled("agentkv_requests_failed_total", "counter", "Engine requests that failed (rolled back).", "", c.failed)
         out += _labelled("agentkv_step_seconds_total", "counter", "Wall time of steps that ran work.", "", c.step_s)
         out += _labelled("agentkv_forward_seconds_total", "counter", "Of that, time in the model's forward.", "", c.forward_s)
+        for cause, seconds in c.stalled_s.items():
+            out += _labelled(f"agentkv_stalled_{cause}_seconds_total", "counter",
+                             f"Seconds the scheduler idled while requests waited ({cause}).", "", seconds)
         return out + self._tier_lines(e)
 
     def _tier_lines(self, e: EngineMetrics) -> list[str]:

@@ -61,6 +61,7 @@ import httpx
 
 from tqdm import tqdm
 
+from agentkv.engine import STALLS
 from agentkv.experiments.common import machine, parse_systems, run_dir
 from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
 from agentkv.experiments.drivers.system import ROOT, rel
@@ -95,6 +96,7 @@ COUNTERS = {
     "restore_s": "agentkv_kv_restore_seconds_total",
     "restored_tokens": "agentkv_kv_restored_tokens_total",
     "step_s": "agentkv_step_seconds_total",
+    **{f"stalled_{cause}_s": f"agentkv_stalled_{cause}_seconds_total" for cause in STALLS},
 }
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from agentkv.engine import STALLS
 from agentkv.experiments.benchmarks.bench_agents import (DTYPE_BYTES, delta, hf_checkpoint, kv_bytes_per_token,
                                                           model_config, timelines, vllm_kv_line, warm_up)
 from agentkv.experiments.common import machine, median, parse_systems, run_dir
@@ -253,16 +254,18 @@ def summary_rows(summary: list[dict]) -> list[list]:
 
 TIMELINE = ("queued_s", "prefill_s", "decode_s", "other_s")
 TIMELINE_HEADERS = ["system", "agents", "budget / distinct", "repeat", "requests", "queued s", "prefill s", "decode s",
-                    "other s", "engine busy"]
+                    "other s", "engine busy", "idle, requests waiting: " + " / ".join(STALLS) + " s"]
 
 
 def timeline_rows(rows: list[dict]) -> list[list]:
     """Where our requests' latency went, summed over the run (server side),
-    and the share of the run's wall time the engine spent in steps: what it
-    left idle while requests queued is what admission cost."""
+    the share of the run's wall time the engine spent in steps, and the
+    seconds it idled while requests waited, by why they waited (what the
+    policy's waits cost)."""
     return [[r["system"], r["agents"], f"{r['fraction']:.0%}", r["repeat"], len(r["timeline"]),
              *(fmt(sum(t[k] for t in r["timeline"])) for k in TIMELINE),
-             "n/a" if r.get("step_s") is None else f"{r['step_s'] / r['wall_s']:.0%}"]
+             "n/a" if r.get("step_s") is None else f"{r['step_s'] / r['wall_s']:.0%}",
+             " / ".join(fmt(r.get(f"stalled_{cause}_s")) for cause in STALLS)]
             for r in rows if r["timeline"]]
 
 
