@@ -127,15 +127,15 @@ class ProgramAdmission:
         if not self.enabled:
             return True
         # It must fit, or be alone: the pool is then all its own.
-        weigh = self._may_weigh()
-        if weigh or (guest and not self._guest_taken):
+        weigh, as_guest = self._may_weigh(), guest and not self._guest_taken  # a guest: the first waiting only
+        if weigh or as_guest:
             candidate = Program(seq.key)
             self._note_turn(candidate, req)
             if weigh and (self._fits(candidate) or not self.admitted):
                 self.admitted[seq.key] = candidate
                 return True
-            if guest and not self._guest_taken:
-                self._guest_taken = True  # the first waiting program only
+            if as_guest:
+                self._guest_taken = True
                 if self._idle_for(candidate):
                     return True
         if self._head_since is None:
