@@ -16,6 +16,7 @@ bytes). Systems, each its own server started fresh:
   off (--drafter none), as the headline's every system;
 - the one-engine ablations: agentkv-lru (minus retention: idle KV by LRU,
   token-granular), agentkv-noadmit (minus program admission),
+  agentkv-prefix (minus both: the engine as a plain LRU prefix cache),
   agentkv-int8tier (the same bytes split: a pool that holds the longest
   request, the rest a host tier of int8 KV),
   agentkv-block128 / agentkv-block16 (vLLM's prefix caching re-done on our
@@ -85,6 +86,8 @@ SYSTEMS = {s.name: s for s in (
     System("agentkv", ("--drafter", "none")),  # serve.py as shipped, speculation off
     System("agentkv-lru", ("--kv-retention", "lru", "--drafter", "none")),
     System("agentkv-noadmit", ("--no-program-admission", "--drafter", "none")),
+    # Minus retention and admission: the engine as a plain LRU prefix cache, token-granular, with sessions.
+    System("agentkv-prefix", ("--kv-retention", "lru", "--no-program-admission", "--drafter", "none")),
     System("agentkv-block128", BLOCK_HASH + ("--page-size", "128", "--drafter", "none"), sessions=False),
     System("agentkv-block16", BLOCK_HASH + ("--page-size", "16", "--drafter", "none"), sessions=False),
     System("agentkv-nonative", ("--continuation", "template-faithful", "--drafter", "none")),
