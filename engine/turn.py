@@ -169,6 +169,8 @@ class Turn:
         if not chat and not prompt:
             raise InvalidRequestError("the prompt is empty")
         tools = offered_tools(prompt.tools, tool_choice) if chat else None
+        if chat and truncate_to is None:
+            refuse_oversized(host, prompt.messages, tools)
         native = session is not None and host.continuation == "native" and not host.stateless
         # Before the lock: compiling a grammar can take a while, and needs only the owner.
         grammar = request_grammar(host, tools, tool_choice, response_format, parallel_tool_calls,
@@ -292,6 +294,26 @@ def parse_reply(tokenizer: Tokenizer, ids: list[int], stops: list[str],
     text, _ = cut_at_stop(text, stops)
     with span("parse_tools"):
         return tool_format.parse(text) if tool_format else (text, [])
+
+
+# Characters per token past which a chat's size is checked before the
+# engine's lock: few texts spell a token in more, so below it the check is skipped.
+OVERSIZED_CHARS_PER_TOKEN = 4
+
+
+def refuse_oversized(host: TurnHost, messages: list[dict], tools: list[dict] | None) -> None:
+    """Refuse a conversation that cannot fit the context before its grammar is
+    compiled and the engine's lock is taken: a client's megabyte of schema
+    must cost it, not every other request's step. Exact (the rendered prompt
+    is counted); only texts long enough to possibly not fit are rendered."""
+    size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+    size += len(json.dumps(tools, default=str)) if tools else 0
+    if size < OVERSIZED_CHARS_PER_TOKEN * host.max_context:
+        return
+    with span("render"):
+        prompt_len = len(host.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+    if prompt_len >= host.max_context:
+        raise ContextLengthError(f"the prompt's {prompt_len} tokens leave no room in the context of {host.max_context}")
 
 
 def canonicalize(tokenizer: Tokenizer, session: "Session", prompt_len: int) -> None:

@@ -267,7 +267,9 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as written: no BOS or EOS is added (chat templates write their own)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # The batch call releases the GIL while it encodes (encode holds it): a
+        # long prompt tokenizing on a request's thread must not stop the scheduler's.
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
