@@ -13,6 +13,7 @@ if __name__ == "serve":  # a bare import from the checkout, which must not shado
 
 import argparse
 import logging
+import runpy
 import signal
 import sys
 import time
@@ -28,6 +29,8 @@ from agentkv.engine.retention import MODES, RetentionConfig
 from agentkv.spec.drafters import KINDS
 
 log = logging.getLogger("agentkv.serve")
+# The main job, an experiment (experiments/benchmarks/demo.py) that `serve.py demo` starts by name.
+DEMO = "agentkv.experiments.benchmarks.demo"
 
 
 def serve(argv: list[str]) -> None:
@@ -236,11 +239,20 @@ def _reload(keys: ApiKeys) -> None:
         log.error("API keys not reloaded, the old ones stay: %s", e)
 
 
+def run_experiment(module: str, argv: list[str]) -> None:
+    """Runs an experiment as `python -m module *argv` would: named, not
+    imported, so the product's command line loads no benchmark."""
+    saved = sys.argv[1:]
+    sys.argv[1:] = argv
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv[1:] = saved
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["demo"]:
-        from agentkv.experiments.benchmarks.demo import main as demo
-
-        demo(argv[1:])
+        run_experiment(DEMO, argv[1:])
     elif argv[:1] == ["cluster"]:
         from agentkv.engine.api.cluster import main as cluster
 

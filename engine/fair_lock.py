@@ -6,10 +6,10 @@ lets the thread that releases it take it straight back: the scheduler loop
 releases it after a step and asks again at once, still holding the GIL, so
 a request thread waiting to start or end its turn could lose that race for
 several steps. Here a release hands the lock to the longest waiter, so
-between two steps everything that asked during the first one runs. (At 16
-BFCL agents this alone took a turn's unaccounted server time from about 2 s
-to 1.5 s at the median; taking the lock once per turn start and end, in
-engine.turn, did the rest.)
+between two steps everything that asked during the first one runs. (That,
+and taking the lock once per turn start and end in engine.turn, gave BFCL
+agents back the server time their turns spent waiting for steps:
+docs/bench_bfcl_agents.md.)
 """
 from __future__ import annotations
 

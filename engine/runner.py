@@ -95,5 +95,5 @@ class ModelRunner:
             self._logit_rows.np[: len(logit_rows)] = logit_rows
             rows = self._logit_rows.view(len(logit_rows))
         # forward, not Module.__call__: no hooks are used, and its bookkeeping
-        # costs about 20 us a step right after a forward.
+        # is paid on every step (docs/bench_host_step.md).
         return self.model.forward(ids, meta, self.pool.kv, rows, self._scratch)

@@ -24,8 +24,8 @@ _listeners: tuple[SpanListener, ...] = ()
 
 @functools.cache
 def _cuda() -> bool:
-    # Asked once: the answer holds for the process, and asking costs a few
-    # microseconds a step where there is no GPU.
+    # Asked once: the answer holds for the process, and asking is not free
+    # where there is no GPU, on a path taken every step.
     return torch.cuda.is_available()
 
 

@@ -121,9 +121,9 @@ def wait_for_quiet(max_s: float = 5.0, window_s: float = 0.2, below: float = 0.2
     """Wait until the whole machine keeps fewer than `below` cores busy over
     a window_s window, for at most max_s; the seconds waited. A benchmark
     that serves each turn on every system in turn calls it before each turn:
-    vLLM's engine core spins about a core for a second after a request, so
-    without it the next system's turn began on a machine still busy with
-    the last one's. 0 at once where /proc/stat is missing or max_s <= 0."""
+    vLLM's engine core spins on after a request, so without it the next
+    system's turn began on a machine still busy with the last one's. 0 at
+    once where /proc/stat is missing or max_s <= 0."""
     start = time.perf_counter()
     cores = os.cpu_count() or 1
     while time.perf_counter() - start < max_s:

@@ -3,7 +3,7 @@ agents of three tenants run their jobs while a fourth tenant is hostile and
 the server is hurt under their own turns, and every turn they complete must
 be the turn a run with no faults completes.
 
-    python -m agentkv.experiments.soak            # 32 agents, 6 turns each, 4 tenants (10+ minutes on 2 cores)
+    python -m agentkv.experiments.soak            # 32 agents, 6 turns each, 4 tenants (times: docs/soak.md)
     python -m agentkv.experiments.soak --short    # the CI form (tests/test_soak_smoke.py): 6 agents, 3 turns
 
 Three phases, each on a fresh server with the same flags (API keys for four

@@ -18,7 +18,7 @@ namespace agentkv {
 // GCC vector extensions of one register: 16 lanes on AVX-512 builds, 8 on
 // AVX2 ones. A 16-lane vector on AVX2 is a pair of registers that GCC keeps
 // in stack memory across the kernels' tiles, and a tile's 24-30 vectors do
-// not fit AVX2's 16 registers: the chunk kernel built that way ran 10-17x
+// not fit AVX2's 16 registers: the chunk kernel built that way ran far
 // slower than torch's (docs/bench_cpu_ops.md, round 3). So the tiles are
 // counted in vectors, and their sizes per ISA are the kernels' constants.
 #ifdef __AVX512F__

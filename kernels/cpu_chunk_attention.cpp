@@ -2,9 +2,9 @@
 // KV pool, read in place: flash attention with register-tiled matmuls.
 //
 // Why not torch's CPU flash kernel (what the reference calls): its blocks run
-// through cpublas, which here reaches 105-170 GFLOP/s on two cores in fp32,
-// while this CPU's FMA units give about twice that (kernels/cpu_linear.cpp's
-// tiles reach it). Prompt chunks are 70% of an fp32 prefill's time at 8k.
+// through cpublas, which reaches well below what this CPU's FMA units give
+// (kernels/cpu_linear.cpp's tiles reach it), and prompt chunks are most of a
+// long fp32 prefill's time (docs/bench_chunk_attention.md).
 //
 // Work items are (sequence, KV head, block of kRows rows), a row being one
 // (query, query head of the group); the rows of a block share every K/V read.
@@ -147,8 +147,8 @@ inline void pack_value_pairs(const uint16_t* const* vrow, int64_t n, __m512i* pa
 }
 
 // p rounded to bf16, keys j and j + 1 as one pair per row lane; returns the
-// rounded values' sum. The exp of such a p needs no more than degree 4 (it was
-// 18% of a bf16 tile at degree 7).
+// rounded values' sum. The exp of such a p needs no more than degree 4: a
+// higher degree spends a bf16 tile's time on bits the rounding drops.
 inline vecf pack_probability_pair(vecf e0, vecf e1, uint32_t* dst) {
   const __m512i u0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e0));
   const __m512i u1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)e1));

@@ -74,8 +74,8 @@ def isa() -> str:
     """The ISA the kernels are built for and run: AGENTKV_CPU_ISA (auto, or
     one of host_isas()), the best this CPU has by default. Read here, once a
     forward (dispatch.select calls it), and remembered for the kernels'
-    calls (current_isa): an environment read costs about 1 us, and a step
-    calls the kernels a few hundred times."""
+    calls (current_isa): a step calls the kernels a few hundred times, and an
+    environment read each time would add up."""
     global _current
     wanted = os.environ.get("AGENTKV_CPU_ISA", "auto")
     isas = _host_isas()

@@ -1,7 +1,7 @@
 // Fused per-layer CPU ops of a forward: residual add + RMSNorm, RoPE + K/V
 // store, and the MLP's SiLU(gate) * up. Each replaces 4-17 torch ops a layer,
-// whose dispatch (3-5 us each) costs a decode step of a small model more than
-// their arithmetic.
+// whose dispatch costs a decode step of a small model more than their
+// arithmetic.
 //
 // Both give the bits of their torch references (kernels/reference.py):
 // every rounding step is the reference's, in its order. That needs

@@ -1,8 +1,8 @@
 """Fused per-layer CPU ops (kernels/cpu_fused_ops.cpp): residual add +
 RMSNorm, and RoPE + K/V store, one torch op each where their references
 (kernels/reference.py) run 9-17. A decode step of a small model pays more for
-dispatching ops (3-5 us each) than for their arithmetic: on the embedded
-model (5 layers) these two take about 140 ops a step away.
+dispatching ops than for their arithmetic: on the embedded model (5 layers)
+these two take about 140 ops a step away.
 
 Both give the references' bits: the same roundings in the same order, the
 sum of squares in ATen's order (which follows its vector width), and

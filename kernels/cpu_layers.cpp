@@ -5,14 +5,15 @@
 // kernels/cpu_fused_ops.cpp and kernels/cpu_paged_attention.cpp through typed
 // dispatcher handles looked up once. The ops and their order are the Python
 // loop's (model/llama.py, Transformer.forward), so the logits are its bits;
-// what goes is the Python between them (about 1.4 ms a step on the embedded
-// model, against 2.5 ms of ops: docs/bench_host_step.md).
+// what goes is the Python between them, a large share of a small model's
+// step (docs/bench_host_step.md).
 //
 // A Layers object is made once per (packed weights, page pool): the embedding
 // table, the layers' weights, packed linears and K/V page views are handed
 // over then, and a step passes only its token ids and metadata. The lookup is
 // the loop's too: after a forward has streamed the K/V through the caches, a
-// torch op called from Python costs tens of microseconds more than from here.
+// torch op called from Python costs more than from here (the interpreter's
+// code and data have left the caches).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>

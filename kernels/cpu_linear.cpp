@@ -6,8 +6,7 @@
 // runs tiles of up to kRows rows x 4 blocks (bf16: 8 at 1-2 rows) over its blocks. No software
 // prefetch: each tile reads 4 sequential streams, which the hardware
 // prefetchers follow; _mm_prefetch 512 B - 4 KiB ahead measured no faster
-// (a SmolLM2 decode step's linears, bf16, one thread: 18-20 against 22 GB/s
-// without, docs/bench_cpu_linear.md).
+// (docs/bench_cpu_linear.md).
 //
 // Two vector ISAs from the one source, chosen by the build's flags
 // (kernels/cpu_extension.py builds one library per ISA): AVX-512, where a
@@ -28,8 +27,8 @@
 // tdpbf16ps's B layout: 16 input pairs x 16 outputs per 1 KiB tile. Rows go
 // 16 to a tile, a short last tile padded with zero rows in a buffer; each
 // row's sums run over `in` in tile order whatever shares its tile, so the
-// invariance above holds. Prefill chunks gain most (oneDNN's AMX matmuls
-// were several times the vector kernel there, docs/bench_cpu_linear.md),
+// invariance above holds. Prefill chunks gain most (there oneDNN's AMX
+// matmuls beat the vector kernel, docs/bench_cpu_linear.md),
 // and a decode step stays bound by reading the weights.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -94,10 +93,9 @@ inline void store_lanes(c10::BFloat16* dst, const Lanes& v, int64_t n) {
 
 // Rows x blocks per tile, per dtype: 6 x 4 accumulators + 4 weights + 1
 // broadcast <= 32 registers. At up to kWideRows rows (a decode step's one
-// row) bf16 tiles take 8 blocks: 8 streams in flight rather than 4. At one
-// row and 4 blocks, bf16 on one core read its weights at 73-90% of a plain
-// read, at 8 blocks 97%; fp32 (96% at 4) got slower at 8
-// (docs/bench_cpu_linear.md, round 2).
+// row) bf16 tiles take 8 blocks: 8 streams in flight rather than 4, since
+// at 4 one core fell short of a plain read of the weights; fp32, near it at
+// 4, got slower at 8 (docs/bench_cpu_linear.md, rounds 2 and 3).
 template <typename T> constexpr int kRows = 6;
 template <typename T> constexpr int kVecs = 4;
 template <typename T> constexpr int kWideVecs = std::is_same_v<T, float> ? 4 : 8;

@@ -33,7 +33,7 @@ using namespace agentkv;
 // Every level shuffles within 128-bit lanes or moves whole 128-bit lanes
 // (unpck*ps, shufps, shuff32x4 or vperm2f128, one cycle each on Zen), never
 // across lanes by index (vpermt2ps, which the natural interleave compiles to
-// and which cost the bf16 kernel a third of its time): level 1 sums lanes
+// and which was much of the bf16 kernel's time): level 1 sums lanes
 // (0, 2) and (1, 3) of each 128-bit lane, level 2 the two halves of that,
 // the last levels the 128-bit lanes, and key i still lands in lane i.
 #ifdef __AVX512F__

@@ -38,9 +38,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 # grammar-forced ones) runs here: a token's logits are then the same bits
 # whether it was decoded or verified, and speculation cannot flip a greedy
 # near-tie. That costs bf16 verify steps some speed: the kernel's work grows
-# with the queries per K/V read while oneDNN's GEMMs do not (at 8k keys,
-# SmolLM2's heads, one thread: fp32 still won at 16 queries, 208 vs 269 ms for
-# 30 layers; bf16 won at 4, 63 vs 98 ms, and lost at 9, 112 vs 92 ms:
+# with the queries per K/V read while oneDNN's GEMMs do not (at 8k keys fp32
+# still won at 16 queries; bf16 won at 4 and lost at 9:
 # docs/bench_cpu_attention.md).
 MAX_QUERIES = {torch.float32: 32, torch.bfloat16: 32}
 
@@ -81,11 +80,11 @@ def require_supported(q: torch.Tensor, k_cache: torch.Tensor) -> None:
 # Tiles of keys (one vector of them: 16 on AVX-512 builds, 8 on AVX2 ones) the
 # kernel reads ahead by software prefetch, 0 for none.
 # Which is faster depends on the host, not on the CPU model: on one Zen 4
-# host the kernel read its K/V 1.7-2.7x faster with prefetches two tiles
-# ahead than without (docs/bench_cpu_attention.md, round 4); on another, the
-# hardware prefetchers alone were 1.1-2.0x faster (round 6). So a process
-# times both on the first pool it runs (tune_prefetch) unless PREFETCH_ENV
-# fixes the choice. Results are the same bits either way.
+# host the kernel read its K/V faster with prefetches two tiles ahead
+# (docs/bench_cpu_attention.md, round 4); on another, the hardware
+# prefetchers alone were faster (round 6). So a process times both on the
+# first pool it runs (tune_prefetch) unless PREFETCH_ENV fixes the choice.
+# Results are the same bits either way.
 PREFETCH_CHOICES = (0, 2)
 PREFETCH_ENV = "AGENTKV_CPU_PREFETCH"
 MAX_PREFETCH = 16  # the kernel's kMaxPrefetchTiles

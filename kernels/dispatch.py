@@ -75,9 +75,8 @@ def _built(extension, warned: list[str], fallback: str) -> bool:
 # on an ISA's build, as experiments/benchmarks/bench_cpu_ops measures them (and keeps
 # true: docs/bench_cpu_ops.md); where one does not, the torch path runs
 # attention and the layers run in Python, with the C++ linears and fused ops.
-# Built from 16-lane tiles on AVX2 too, the chunk kernel ran 10-17x slower
-# than the torch path there (round 3); from 8-lane ones it runs 1.1x faster
-# and the decode kernel 1.4-1.9x (round 4).
+# Built from 16-lane tiles on AVX2 too, the chunk kernel ran far slower than
+# the torch path there (round 3); from 8-lane ones both kernels win (round 4).
 CPP_ATTENTION_WINS = {"avx512": True, "avx2": True, "native": True}
 
 

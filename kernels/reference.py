@@ -24,8 +24,8 @@ from agentkv.kernels.metadata import AttnMetadata
 # order wherever the pages lie in the pool, so the result does not depend on
 # placement (merging physically consecutive pages instead made fp32 logits
 # move by 6e-8 when one page moved). The price: a block whose pages are not
-# consecutive is gathered, in fp32 at 2k keys about as costly again as the
-# attention over it.
+# consecutive is gathered, a copy that can cost as much as the attention
+# over it.
 KEY_BLOCK = 4096
 
 Piece = slice | torch.Tensor
@@ -94,9 +94,9 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 # On CPU a bf16 batched matmul over the pool's head-strided views falls off
-# oneDNN's fast path: at 25k keys, one KV-head-batched q K^T took 7.4 ms where
-# three per-head matmuls took 0.65 ms. Each per-head call costs ~15 us to set
-# up, so only pieces of at least this many keys go that way.
+# oneDNN's fast path, where per-head matmuls stay on it (docs/bench_turns_cpu.md).
+# Each per-head call has a set-up cost, so only pieces of at least this many
+# keys go that way.
 PER_HEAD_MIN_KEYS = 1024
 
 
@@ -149,10 +149,9 @@ BF16_BLOCK_ROWS = 256
 
 
 def _chunk_attention_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """_chunk_attention for bf16 on CPU. oneDNN's bf16 GEMM (AVX512-BF16) runs
-    at about twice fp32's rate, which the flash kernel does not reach in bf16
-    (one thread, SmolLM2's heads: 237 -> 161 ms for 1024 queries over 8192
-    keys, 77 -> 50 ms for a fresh 2048-token chunk). So: plain matmuls per
+    """_chunk_attention for bf16 on CPU. oneDNN's bf16 GEMM (AVX512-BF16)
+    runs faster than fp32, a rate the flash kernel does not reach in bf16
+    (docs/bench_turns_cpu.md, round 3). So: plain matmuls per
     query head over blocks of queries, each block's keys cut at its last
     query (nothing past it is computed) and the causal triangle masked in
     its last columns. As in Hugging Face's eager bf16 attention, the scores

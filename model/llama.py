@@ -33,7 +33,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights | None = None
 ) -> torch.Tensor:
     """x @ weight (+ bias) with weight stored [in, out]: for one-row decode
-    steps on CPU this reads weights about twice as fast as [out, in].
+    steps on CPU this reads weights faster than [out, in].
 
     Each row's result must not depend on how many rows share the call, or a
     sequence's logits would depend on what else is in its step. With packed
@@ -74,8 +74,8 @@ class Attention(nn.Module):
         t = meta.num_tokens
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         hq, hkv = self.num_heads, self.num_kv_heads
-        # One view by head, then q, k and v as views of it: one split (one op,
-        # about 4 us) where three slices cost about 9.
+        # One view by head, then q, k and v as views of it: one split, one op
+        # dispatched where three slices would be three.
         heads = (qkv if qkv.shape[0] == t else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
         q, k, v = heads.split_with_sizes(self.qkv_heads, 1)
         q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
@@ -171,8 +171,8 @@ class Transformer(nn.Module):
         layers = scratch.layers
         # Chosen once for every layer (the embedded rows are like the table);
         # the blocks are run through their forward methods, not
-        # Module.__call__ (no hooks are used, and its bookkeeping is a few
-        # microseconds a call, 11 calls a layer).
+        # Module.__call__ (no hooks are used, and its bookkeeping would be
+        # paid 11 times a layer).
         ops = dispatch.select(self.embed, layers[0][0])
         cfg, dtype = self.cfg, self.embed.dtype
         o_rows, o_heads = scratch.attention_rows(input_ids.shape[0], meta.num_tokens, cfg.num_heads, cfg.head_dim, dtype)

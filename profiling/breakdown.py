@@ -24,9 +24,8 @@ more under torch.profiler.
         [--mode stateful|stateless] [--speculative] [--max-gen 32] [--repeats 3] [--threads 2]
 
 Cost: each measured turn (and the profiled one) replays the turns before it
-on a new engine first; on the SmolLM2-135M shape on 2 cores a turn of the
-6-turn workflow's first three takes 30-60 s to replay, so prefer an early
---turn (2: the planner's second turn) and few --repeats there.
+on a new engine first, so on the SmolLM2-135M shape prefer an early --turn
+(2: the planner's second turn) and few --repeats.
 
 Writes runs/breakdown-<time>/{breakdown.json, trace.json, ops.txt}.
 """
@@ -89,7 +88,7 @@ def load_engine(args):
     if args.model:
         path = Path(args.model)
     elif args.shape:
-        from agentkv.experiments.benchmarks.bench_turns import prepare_checkpoint
+        from agentkv.experiments.drivers.checkpoint import prepare_checkpoint
 
         path = prepare_checkpoint(args.shape)
     else:
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from agentkv.experiments.benchmarks.bench_turns import prepare_requests, workflow
+    from agentkv.experiments.drivers.replay import prepare_requests, workflow
 
     base = load_engine(args)
     wf = workflow(args.workflow, args.seed)

@@ -24,9 +24,9 @@ docs/bench_spec.md); the frequencies still estimate, score and stop the draft.
 Nodes are ids into parallel lists of ints, and a node's children a dict of
 token -> id: objects the garbage collector does not track. As one object
 per node, with parent links and child dicts, a server's trees (millions of
-nodes) were walked whole by every full collection; in a 12-agent run that
-made indexing a turn's tokens cost ~60 us a token, ~20% of the scheduler's
-time, against ~9 us with nothing for the collector to walk.
+nodes) were walked whole by every full collection, which made indexing a
+turn's tokens several times dearer in a 12-agent run
+(docs/bench_agents_equal_memory.md).
 """
 from __future__ import annotations
 

@@ -1,20 +1,24 @@
 """The package's import structure, read from the source: layers call down,
-no module imports itself back through a loop, and the HTTP layer enters the
-engine only through its front door (agentkv.engine)."""
+no module imports itself back through a loop, the HTTP layer enters the
+engine only through its front door (agentkv.engine), and the product never
+imports the experiments or the profilers, nor the profilers a benchmark."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["serve", "engine.api", "engine", "spec", "cache", "model", "kernels"]  # top calls down
+TOOLING = ("agentkv.experiments", "agentkv.profiling")  # above the product: they use it, it never uses them
+BENCHMARKS = "agentkv.experiments.benchmarks"
 
 
 def modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", "build", "experiments", "profiling") or rel.parts[0].startswith("."):
+        if rel.parts[0] in ("tests", "build") or rel.parts[0].startswith("."):
             continue
         name = ".".join(("agentkv", *rel.with_suffix("").parts)).removesuffix(".__init__")
         out[name] = path
@@ -34,6 +38,10 @@ def imports(path: Path, known: dict[str, Path]) -> set[str]:
     return found & known.keys()
 
 
+def under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def layer(module: str) -> int | None:
     rest = module.removeprefix("agentkv.")
     for i, name in enumerate(LAYERS):
@@ -42,6 +50,7 @@ def layer(module: str) -> int | None:
     return None
 
 
+@functools.cache  # the source is read once for all the checks
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {m: imports(p, known) - {m} for m, p in known.items()}
@@ -76,9 +85,25 @@ def test_http_layer_enters_the_engine_by_its_front_door():
     assert not through, f"engine/api imports around agentkv.engine: {through}"
 
 
+def test_the_product_imports_no_experiment_or_profiler():
+    # serve.py starts the demo by name (runpy), never by importing it.
+    into = [(m, n) for m, targets in graph().items() if layer(m) is not None
+            for n in targets if any(under(n, t) for t in TOOLING)]
+    assert not into, f"product modules that import experiments or profiling: {into}"
+
+
+def test_the_profilers_import_no_benchmark():
+    # Profiling shares experiments' helpers (common, report, drivers, workloads), never a benchmark.
+    into = [(m, n) for m, targets in graph().items() if under(m, "agentkv.profiling")
+            for n in targets if under(n, BENCHMARKS)]
+    assert not into, f"profiling modules that import a benchmark: {into}"
+
+
 def test_the_checks_see_the_code():
     # A check that read nothing could not fail.
     g = graph()
-    assert len(g) > 80
+    assert len(g) > 150
     assert "agentkv.engine" in g["agentkv.engine.api.chat"]
     assert "agentkv.engine.turn" in g["agentkv.engine.engine"]
+    assert "agentkv.experiments.benchmarks.bench_replay" in g["agentkv.experiments.benchmarks.demo"]
+    assert "agentkv.experiments.common" in g["agentkv.profiling.breakdown"]  # an import inside a function

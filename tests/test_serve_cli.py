@@ -4,6 +4,8 @@ connections first, the request lands on a closing socket and the agent sees
 a connection error (bench_agents hit one with uvicorn's default of 5 s)."""
 from __future__ import annotations
 
+import sys
+
 import openai
 import pytest
 import uvicorn
@@ -61,3 +63,13 @@ def test_a_chat_template_file_replaces_the_models_own(tmp_path, uvicorn_calls):
                                                       "messages": [{"role": "user", "content": "hi there"}]})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(Tokenizer.from_dir(SMALL_MODEL_DIR).encode("<<hi there>>"))
+
+
+def test_the_demo_starts_by_name_with_its_own_arguments(capsys):
+    # serve.py imports no experiment: `serve.py demo` runs the module as `python -m` would.
+    argv = list(sys.argv)
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["demo", "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: serve.py demo")
+    assert sys.argv == argv  # the caller's arguments are back

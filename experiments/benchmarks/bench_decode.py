@@ -217,8 +217,8 @@ def run_config(dtype: str, threads: int, path: Path, cfg: ModelConfig, prompts: 
             for attempt in range(args.retries + 1):
                 what = ("prefill" if rep == 0 else f"rep {rep}") + (f" again {attempt}" if attempt else "")
                 bar.set_postfix_str(f"{dtype} {threads}t C={context} {s} {what}")
-                # The system before may still hold the cores: Intel OpenMP (vLLM's) spins ~200 ms after its
-                # last parallel region before its threads sleep.
+                # The system before may still hold the cores: Intel OpenMP (vLLM's) spins a while after its
+                # last parallel region before its threads sleep (docs/bench_decode.md).
                 time.sleep(args.gap)
                 # Work outside this run (other users' jobs) on the other core slows every system's step
                 # (docs/bench_decode.md): start on a quiet machine.

@@ -59,20 +59,17 @@ workflow, each system starting every pass from empty caches; within a pass
 every request is served by every system, in an order that rotates from turn
 to turn, before the next request, so that a busy spell on the shared cores
 falls on all systems alike; before each turn it waits, untimed, for the
-machine to go quiet (--settle: vLLM's engine core spins on for about a
-second after a request, which the next system's turn would otherwise
-share). Per turn the median over repeats is reported; "e2e" is the sum of
-the per-turn medians. Ratios are system / stateful. All
-systems are resident at once: mind the memory (SmolLM2 shape, 6-turn, all
-nine systems: about 12 GB).
+machine to go quiet (--settle: vLLM's engine core spins on after a
+request, which the next system's turn would otherwise share). Per turn the
+median over repeats is reported; "e2e" is the sum of the per-turn medians.
+Ratios are system / stateful. All systems are resident at once: mind the
+memory (SmolLM2 shape, 6-turn, all nine systems: about 12 GB).
 
-Cost on 2 cores (SmolLM2-135M shape, fp32): prefill runs at roughly
-3-5 ms a token, so a stateless system re-prefilling a 15k-token history takes
-about a minute a turn. The 6-turn workflow (prompts 4.7k-11.5k tokens, ~40k
-in all) costs the stateless systems 2-4 minutes each per repeat; the
-35-turn workflow (prompts up to 28k tokens, ~500k in all) would take the
-stateless ones over half an hour each: use --max-turns, --max-gen, --repeats
-and --systems to bound it (e.g. --max-turns 12 --max-gen 32).
+Cost: the stateless systems re-prefill every turn's whole history, so they
+set the run's length (the 6-turn workflow's prompts are 4.7k-11.5k tokens,
+~40k in all; the 35-turn one's reach 28k, ~500k in all; times on 2 cores in
+docs/bench_turns_cpu.md): use --max-turns, --max-gen, --repeats and
+--systems to bound it (e.g. --max-turns 12 --max-gen 32).
 
     python -m agentkv.experiments.benchmarks.bench_turns [--workflow 6|35] [--shape smollm2-135m | --model DIR]
         [--systems stateful,stateless,block,hf,hf-reuse,vllm-apc,vllm-noapc,vllm-server,llamacpp-keep,llamacpp-reset]

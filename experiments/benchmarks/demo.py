@@ -26,9 +26,9 @@ from agentkv.kernels.dispatch import build_cpu_kernels
 # Single-class BFCL roles whose long-context tool outputs give each agent
 # thousands of private tokens behind a shared head (its function docs).
 ROLES = "VehicleControlAPI,TravelAPI"
-# The default job fits in about four minutes on 2 cores: 4 agents at 46% of
-# their distinct tokens (the least that holds the longest agent's context),
-# the published pauses at a quarter of their length.
+# The default job is sized for a short run on 2 cores (docs/bench_replay.md):
+# 4 agents at 46% of their distinct tokens (the least that holds the longest
+# agent's context), the published pauses at a quarter of their length.
 SYSTEMS = ("agentkv", "agentkv-block16")
 FULL_AGENTS, FULL_FRACTIONS = "8,16,32", "0.25,0.5,1.0"
 

@@ -17,7 +17,8 @@ Choices, sized for a 2-core CPU (measure first: --measure prints tokens/s):
   that no offered tool fits, hand-offs) plus task episodes; held-out tool
   and argument names (by hash) never reach a batch, and the periodic
   teacher-forced evaluation scores held-out turns only.
-- bf16 autocast where the CPU has AVX512-BF16 (about 1.8x here), else fp32.
+- bf16 autocast where the CPU has AVX512-BF16 (its dot products run bf16
+  natively), else fp32.
 - Wall-clock budget: linear warm-up, constant, linear decay over the last
   --decay-frac of it. Every --ckpt-every seconds the adapter, the optimizer
   and the data position go to --out/resume.pt, and --resume continues a run

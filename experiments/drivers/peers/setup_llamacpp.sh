@@ -5,7 +5,7 @@
 # when this venv is absent.
 #
 # PyPI has only the source package of llama-cpp-python: this builds llama.cpp
-# natively (CPU, GGML_NATIVE, no BLAS), about 9 minutes on 2 cores. The venv
+# natively (CPU, GGML_NATIVE, no BLAS), a long compile on a small CPU. The venv
 # sees the system site-packages (torch, numpy, transformers, safetensors),
 # which the GGUF converter needs.
 #

