@@ -58,7 +58,7 @@ from agentkv.experiments.drivers.checkpoint import with_positions
 from agentkv.experiments.drivers.servers import ServerProcess, start_engine_server
 from agentkv.experiments.drivers.system import ROOT, rel
 from agentkv.experiments.drivers.vllm import start_vllm_server, vllm_status
-from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table
+from agentkv.experiments.report import WandbRun, publish, pyplot, save_figure, table, write_json
 from agentkv.experiments.workloads.agent_runs import records_json, run_all, summarize
 from agentkv.experiments.workloads.replay_agents import PAUSE_SOURCE, Sent, TracePauses, openai_send, replay_job
 from agentkv.experiments.workloads.replay_budget import budget_tokens, render_prompts, replay_footprint
@@ -189,6 +189,7 @@ def run_system(name: str, traces: list[Trace], args: argparse.Namespace, cell: d
            "records": records_json(records)}
     if system.vllm:
         row["vllm_kv_log"] = vllm_kv_line(log)
+    write_json(log.with_suffix(".json"), row)  # an interrupted sweep keeps the runs it finished
     return row
 
 
