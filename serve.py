@@ -41,8 +41,9 @@ def serve(argv: list[str]) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default=None,
-                        help="a Hugging Face checkpoint directory, a GGUF file, or an adapter directory over a base "
-                             "(model/lora.py) (default: the embedded model)")
+                        help="a Hugging Face checkpoint directory, a GGUF file, an adapter directory over a base "
+                             "(model/lora.py), or shape:NAME[@SEED], random weights of a real model's shape for "
+                             "serving benchmarks (model/shapes.py) (default: the embedded model)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file that replaces the model's own (as vLLM's flag)")
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the directory's name)")
@@ -163,8 +164,11 @@ def serve(argv: list[str]) -> None:
     from agentkv.kernels.cpu_extension import isa
     from agentkv.kernels.dispatch import build_cpu_kernels
     from agentkv.engine.api import create_app
+    from agentkv.model.shapes import is_shape
 
-    name = args.served_model_name or (Path(args.model).resolve().stem if args.model else "agentkv-default")
+    # A shape's name has dots (qwen2.5-0.5b) that a path's stem would cut.
+    stem = args.model if is_shape(args.model) else Path(args.model).resolve().stem if args.model else None
+    name = args.served_model_name or stem or "agentkv-default"
     log.info("loading %s", args.model or "the embedded default model")
     try:
         retention = RetentionConfig(mode=args.kv_retention, tool_ttl_default=args.tool_ttl_default,

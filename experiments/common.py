@@ -14,22 +14,14 @@ from pathlib import Path
 
 import torch
 
+from agentkv.model import shapes
 from agentkv.model.config import ModelConfig
-from agentkv.model.default import random_init
 from agentkv.model.llama import Transformer
 
-# Named model shapes for random-weight benchmarks (Hugging Face config fields).
+# Named model shapes for random-weight benchmarks (Hugging Face config
+# fields): the published ones of model/shapes.py, and the project's own tiny one.
 SHAPES = {
-    "smollm2-135m": dict(
-        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
-        rope_theta=100000.0, rms_norm_eps=1e-5,
-    ),
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
-        rope_theta=1000000.0, rms_norm_eps=1e-6,
-    ),
+    **shapes.SHAPES,
     "tiny": dict(
         model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
@@ -38,9 +30,7 @@ SHAPES = {
 
 
 def random_model(shape: str, dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> Transformer:
-    model = Transformer(ModelConfig.from_hf(SHAPES[shape]), dtype, device)
-    random_init(model, seed)
-    return model
+    return shapes.random_model(ModelConfig.from_hf(SHAPES[shape]), dtype, seed, device)
 
 
 def parse_systems(text: str, known: tuple[str, ...]) -> list[str]:

@@ -70,10 +70,18 @@ def rope_and_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """reference.rope_and_store, with q rotated in place (and returned): its
     rows are the caller's (a forward's fresh qkv projection), and a copy
     would cost an op a layer. k and v are left as they are. Any strides; a
-    position or slot out of range raises IndexError before anything is written."""
-    extension.load().rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.positions, meta.slot_mapping)
+    position or slot out of range raises IndexError before anything is written.
+    With q_norm and k_norm, q and k are normalized by rmsnorm first (into
+    fresh tensors: it takes contiguous rows), as kernels/cpu_layers.cpp does."""
+    ops = extension.load()
+    if q_norm is not None:
+        q, k = ops.rmsnorm(q.contiguous(), q_norm, eps), ops.rmsnorm(k.contiguous(), k_norm, eps)
+    ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta.positions, meta.slot_mapping)
     return q

@@ -1,5 +1,6 @@
 // A CPU forward's layers in one call: every decoder layer of a step (add +
-// RMSNorm, qkv linear, RoPE + K/V store, paged attention, o linear, add +
+// RMSNorm, qkv linear, Qwen3's per-head q/k RMSNorm where the model has it,
+// RoPE + K/V store, paged attention, o linear, add +
 // RMSNorm, gate_up linear, SiLU * up, down linear), then the final norm and
 // the LM head, run by calling the registered C++ ops of kernels/cpu_linear.cpp,
 // kernels/cpu_fused_ops.cpp and kernels/cpu_paged_attention.cpp through typed
@@ -81,6 +82,7 @@ struct Layer {
   Tensor attn_norm, mlp_norm, k_cache, v_cache;
   Linear qkv, o, gate_up, down;
   int64_t window;
+  OptTensor q_norm, k_norm;  // [head_dim] each, or none (Qwen3 has them)
 };
 
 struct Layers : torch::CustomClassHolder {
@@ -104,17 +106,22 @@ struct Layers : torch::CustomClassHolder {
 
   void add_layer(Tensor attn_norm, Tensor qkv, OptTensor qkv_bias, Tensor o, OptTensor o_bias, Tensor mlp_norm,
                  Tensor gate_up, OptTensor gate_up_bias, Tensor down, OptTensor down_bias, int64_t intermediate,
-                 Tensor k_cache, Tensor v_cache, int64_t window) {
+                 Tensor k_cache, Tensor v_cache, int64_t window, OptTensor q_norm, OptTensor k_norm) {
     const int64_t hidden = attn_norm.numel(), q_dim = num_heads * head_dim;
     TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim &&
                           v_cache.sizes() == k_cache.sizes(),
                       "k_cache and v_cache must be [pages, page_size, num_kv_heads, head_dim]");
+    TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value() &&
+                          (!q_norm.has_value() || (q_norm->numel() == head_dim && k_norm->numel() == head_dim)),
+                      "q_norm and k_norm must both be [head_dim], or both none");
     layers.push_back({std::move(attn_norm), std::move(mlp_norm), std::move(k_cache), std::move(v_cache),
                       {std::move(qkv), std::move(qkv_bias), q_dim + 2 * num_kv_heads * head_dim},
                       {std::move(o), std::move(o_bias), hidden},
                       {std::move(gate_up), std::move(gate_up_bias), 2 * intermediate},
                       {std::move(down), std::move(down_bias), hidden},
-                      window});
+                      window,
+                      std::move(q_norm),
+                      std::move(k_norm)});
   }
 
   // ids [R]: the step's t tokens then R - t valid ids run as padding rows; o_rows [R, heads * head_dim], the rows the attention writes (its
@@ -145,9 +152,13 @@ struct Layers : torch::CustomClassHolder {
       // q, k and v: views of the first t rows of the fused projection by head.
       const Tensor qkv = l.qkv(x);
       const int64_t off = qkv.storage_offset(), s0 = qkv.stride(0);
-      const Tensor q = qkv.as_strided({t, hq, d}, {s0, d, 1}, off);
-      const Tensor k = qkv.as_strided({t, hkv, d}, {s0, d, 1}, off + hq * d);
+      Tensor q = qkv.as_strided({t, hq, d}, {s0, d, 1}, off);
+      Tensor k = qkv.as_strided({t, hkv, d}, {s0, d, 1}, off + hq * d);
       const Tensor v = qkv.as_strided({t, hkv, d}, {s0, d, 1}, off + (hq + hkv) * d);
+      if (l.q_norm.has_value()) {  // as kernels/cpu_fused_ops.py's rope_and_store: normalized into fresh rows
+        q = f.rmsnorm.call(q.contiguous(), *l.q_norm, eps);
+        k = f.rmsnorm.call(k.contiguous(), *l.k_norm, eps);
+      }
       f.rope_and_store.call(q, k, v, cos, sin, l.k_cache, l.v_cache, positions, slot_mapping);
       f.attention.call(q, l.k_cache, l.v_cache, cu_seqlens_q, seq_lens, block_tables, scale, l.window, max_queries,
                        split, prefetch, o_heads);

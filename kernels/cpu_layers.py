@@ -53,6 +53,8 @@ class LayerWeights:
     down: PackedLinear
     down_bias: torch.Tensor | None
     window: int  # sliding window, 0 for none
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head q and k norms [head_dim], or None
+    k_norm: torch.Tensor | None = None
 
 
 def make(
@@ -81,7 +83,7 @@ def make(
     for w, (k_cache, v_cache) in zip(layers, caches):
         loop.add_layer(
             w.attn_norm, w.qkv.data, w.qkv_bias, w.o.data, w.o_bias, w.mlp_norm, w.gate_up.data, w.gate_up_bias,
-            w.down.data, w.down_bias, w.down.in_features, k_cache, v_cache, w.window,
+            w.down.data, w.down_bias, w.down.in_features, k_cache, v_cache, w.window, w.q_norm, w.k_norm,
         )
     return loop
 

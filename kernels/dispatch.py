@@ -193,10 +193,12 @@ def paged_attention(
     return impl(q, k_cache, v_cache, meta, scale, sliding_window, out=out)
 
 
-def rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+def rope_and_store(
+    q, k, v, cos, sin, k_cache, v_cache, meta: AttnMetadata, q_norm=None, k_norm=None, eps: float = 0.0
+) -> torch.Tensor:
     triton = use_triton(q)
     impl = _rope_impl(q, triton) if triton or q.dtype == k_cache.dtype else reference.rope_and_store
-    return impl(q, k, v, cos, sin, k_cache, v_cache, meta)
+    return impl(q, k, v, cos, sin, k_cache, v_cache, meta, q_norm, k_norm, eps)
 
 
 def rmsnorm(x, weight, eps: float, residual=None) -> tuple[torch.Tensor, torch.Tensor]:

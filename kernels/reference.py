@@ -327,9 +327,16 @@ def rope_and_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Rotate q and k at meta.positions, write rotated k and v into their page
-    slots (meta.slot_mapping); return rotated q."""
+    slots (meta.slot_mapping); return rotated q. With q_norm and k_norm
+    (Qwen3's, [D] each), every head of q and k is first RMS-normalized
+    (rmsnorm, with eps) by them."""
+    if q_norm is not None:
+        q, k = rmsnorm(q, q_norm, eps)[0], rmsnorm(k, k_norm, eps)[0]
     # The factors depend on the step alone: made by the first layer, shared
     # by the rest (tables of other sizes, as tests pass, are made afresh).
     if meta.torch_rope is None or meta.torch_rope[0] is not cos:

@@ -10,9 +10,14 @@ in fp32, rounded to the input dtype. Rotated q is returned; rotated k and v
 are written to cache slot slot_mapping[t] (page slot // PAGE_SIZE, offset
 slot % PAGE_SIZE).
 
+With q_norm and k_norm (Qwen3's per-head norms, [D] each) every head of q
+and k is first RMS-normalized, x = w * round(x / sqrt(mean(x^2) + eps)),
+with reference.rmsnorm's roundings, in the same pass.
+
 Layouts:
   q [T, Hq, D], k and v [T, Hkv, D]       any strides (views of a fused qkv)
   cos, sin [max_pos, D // 2]              fp32
+  q_norm, k_norm [D]                      q's dtype, contiguous
   k_cache, v_cache [P, PAGE_SIZE, Hkv, D] any strides
 One program per token handles all its heads.
 
@@ -34,6 +39,20 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def _head_rmsnorm(x1, x2, w_ptr, offs_i, i_valid, eps, out_ptr, HALF: tl.constexpr):
+    """Each row (a head) of halves x1, x2 (fp32, masked lanes 0) RMS-normalized
+    and scaled by w, rounded as reference.rmsnorm rounds: the normalized
+    value to the input dtype, then its product with w."""
+    dtype = out_ptr.dtype.element_ty
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(w_ptr + offs_i, mask=i_valid, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_i, mask=i_valid, other=0.0).to(tl.float32)[None, :]
+    y1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    y2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
 def _rope_and_store_kernel(
     q_out_ptr,  # [T, Hq, D]
     q_ptr,  # [T, Hq, D]
@@ -45,6 +64,9 @@ def _rope_and_store_kernel(
     v_cache_ptr,  # [P, PAGE_SIZE, Hkv, D]
     positions_ptr,  # [T] int64
     slot_mapping_ptr,  # [T] int64
+    q_norm_ptr,  # [D], read only with QK_NORM
+    k_norm_ptr,  # [D], read only with QK_NORM
+    eps,
     stride_qo_tok,
     stride_qo_head,
     stride_q_tok,
@@ -68,6 +90,7 @@ def _rope_and_store_kernel(
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
@@ -83,12 +106,11 @@ def _rope_and_store_kernel(
     offs_hq = tl.arange(0, Q_HEADS_PAD)
     q_mask = (offs_hq < NUM_Q_HEADS)[:, None] & i_valid[None, :]
     q_lo = q_ptr + tok * stride_q_tok + offs_hq[:, None] * stride_q_head + offs_i[None, :]
-    q1, q2 = _rotate(
-        tl.load(q_lo, mask=q_mask, other=0.0).to(tl.float32),
-        tl.load(q_lo + HALF, mask=q_mask, other=0.0).to(tl.float32),
-        cos,
-        sin,
-    )
+    q1 = tl.load(q_lo, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_lo + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_rmsnorm(q1, q2, q_norm_ptr, offs_i, i_valid, eps, q_out_ptr, HALF)
+    q1, q2 = _rotate(q1, q2, cos, sin)
     qo_lo = q_out_ptr + tok * stride_qo_tok + offs_hq[:, None] * stride_qo_head + offs_i[None, :]
     tl.store(qo_lo, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(qo_lo + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -96,12 +118,11 @@ def _rope_and_store_kernel(
     offs_hk = tl.arange(0, KV_HEADS_PAD)
     kv_mask = (offs_hk < NUM_KV_HEADS)[:, None] & i_valid[None, :]
     k_lo = k_ptr + tok * stride_k_tok + offs_hk[:, None] * stride_k_head + offs_i[None, :]
-    k1, k2 = _rotate(
-        tl.load(k_lo, mask=kv_mask, other=0.0).to(tl.float32),
-        tl.load(k_lo + HALF, mask=kv_mask, other=0.0).to(tl.float32),
-        cos,
-        sin,
-    )
+    k1 = tl.load(k_lo, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_lo + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k1, k2 = _head_rmsnorm(k1, k2, k_norm_ptr, offs_i, i_valid, eps, k_cache_ptr, HALF)
+    k1, k2 = _rotate(k1, k2, cos, sin)
     kc_lo = k_cache_ptr + page * stride_kc_page + offset * stride_kc_slot + offs_hk[:, None] * stride_kc_head + offs_i[None, :]
     tl.store(kc_lo, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(kc_lo + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -128,6 +149,9 @@ def rope_and_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Triton rope_and_store with the contract of kernels.reference.rope_and_store."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -144,6 +168,10 @@ def rope_and_store(
     if meta.positions.shape[0] != num_tokens or meta.slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"q has {num_tokens} tokens, the metadata {meta.positions.shape[0]}")
     _check_last_dim_contiguous(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
+    qk_norm = q_norm is not None
+    if qk_norm and not (k_norm is not None and q_norm.shape == k_norm.shape == (head_dim,) and q_norm.is_contiguous()
+                        and k_norm.is_contiguous() and q_norm.dtype == k_norm.dtype == q.dtype):
+        raise ValueError(f"q_norm and k_norm must both be contiguous [{head_dim}] of q's dtype")
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_and_store_kernel[(num_tokens,)](
@@ -157,6 +185,9 @@ def rope_and_store(
         v_cache_ptr=v_cache,
         positions_ptr=meta.positions,
         slot_mapping_ptr=meta.slot_mapping,
+        q_norm_ptr=q_norm if qk_norm else q,  # unread without QK_NORM
+        k_norm_ptr=k_norm if qk_norm else q,
+        eps=float(eps),
         stride_qo_tok=q_out.stride(0),
         stride_qo_head=q_out.stride(1),
         stride_q_tok=q.stride(0),
@@ -180,5 +211,6 @@ def rope_and_store(
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         PAGE_SIZE=page_size,
+        QK_NORM=qk_norm,
     )
     return q_out

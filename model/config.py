@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agentkv.model.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    # Qwen3: each head's q and k RMS-normalized (weights [head_dim]) before RoPE.
+    qk_norm: bool = False
     # Per-layer sliding window in tokens, 0 for full attention.
     sliding_windows: tuple[int, ...] = field(default=())
     model_type: str = "llama"
@@ -80,6 +82,7 @@ class ModelConfig:
                 qkv_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
                 o_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
                 mlp_bias=cfg.get("mlp_bias", False),
+                qk_norm=model_type == "qwen3",
                 sliding_windows=_sliding_windows(cfg, model_type, layers),
                 model_type=model_type,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -101,7 +104,7 @@ def _sliding_windows(cfg: dict, model_type: str, layers: int) -> tuple[int, ...]
     window = cfg.get("sliding_window") or 0
     if model_type == "mistral":
         return (window,) * layers
-    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         types = cfg.get("layer_types")
         if types:
             return tuple(window if t == "sliding_attention" else 0 for t in types)

@@ -28,6 +28,8 @@ def _attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q = qkv[..., :q_dim].view(b, t, attn.num_heads, attn.head_dim)
     k = qkv[..., q_dim : q_dim + kv_dim].view(b, t, attn.num_kv_heads, attn.head_dim)
     v = qkv[..., q_dim + kv_dim :].view(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:  # Qwen3's per-head norms, before RoPE as rope_and_store applies them
+        q, k = rmsnorm(q, attn.q_norm, attn.eps)[0], rmsnorm(k, attn.k_norm, attn.eps)[0]
     q, k = _rotate(q, cos, sin).transpose(1, 2), _rotate(k, cos, sin).transpose(1, 2)
     v = v.transpose(1, 2)
     mask = None

@@ -16,11 +16,15 @@ from agentkv.model.errors import ModelLoadError
 from agentkv.model.loader import load_model, load_tokenizer, parse_dtype, save_model
 
 
+# transformers' class of each model_type the engine runs (config.json's "architectures").
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+
 def hf_config(cfg: ModelConfig, dtype: str) -> dict:
     """config.json for cfg (the fields ModelConfig.from_hf reads back)."""
     out = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "mistral": "MistralForCausalLM"}[cfg.model_type]],
+        "architectures": [ARCHITECTURES[cfg.model_type]],
         "model_type": cfg.model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,

@@ -10,7 +10,8 @@ checkpoint. The tokenizer and chat template come from the same file
 llama.cpp's converter permutes the rows of Llama's q and k projections into
 the interleaved-pairs RoPE layout ggml computes in; the engine (like
 transformers) rotates halves, so those rows are permuted back here. Qwen2
-files are written unpermuted (ggml runs them in the halves layout, NEOX).
+and Qwen3 files are written unpermuted (ggml runs them in the halves layout,
+NEOX).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from agentkv.model.errors import ModelLoadError, UnsupportedModelError
 
 # Quantization types this loader dequantizes (gguf's numpy code does the work).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -34,6 +35,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

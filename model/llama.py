@@ -1,4 +1,4 @@
-"""A hand-written Llama-family decoder (Llama, Mistral, Qwen2) with ONE forward:
+"""A hand-written Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) with ONE forward:
 a ragged batch of sequences, each appending a chunk of new tokens whose K/V go
 into its pages, attending to its cached pages plus causally within the chunk.
 Prefill, a turn's delta, a decode step and a speculative verify are all this.
@@ -61,6 +61,10 @@ class Attention(nn.Module):
         self.qkv_bias = _param(q_dim + 2 * kv_dim, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(q_dim, cfg.hidden_size, dtype=dtype, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+        # Qwen3's per-head q and k norms, applied by rope_and_store before it rotates.
+        self.q_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
         self.packed: PackedWeights | None = None
 
     def forward(
@@ -78,7 +82,7 @@ class Attention(nn.Module):
         # dispatched where three slices would be three.
         heads = (qkv if qkv.shape[0] == t else qkv[:t]).view(t, hq + 2 * hkv, self.head_dim)
         q, k, v = heads.split_with_sizes(self.qkv_heads, 1)
-        q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
+        q = ops.rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, self.q_norm, self.k_norm, self.eps)
         ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, out=o_heads)
         return linear(o_rows, self.o_weight, self.o_bias, self.packed)
 
@@ -283,7 +287,7 @@ def _make_loop(
         cpu_layers.LayerWeights(
             b.attn_norm, packed.get(b.attn.qkv_weight), b.attn.qkv_bias, packed.get(b.attn.o_weight), b.attn.o_bias,
             b.mlp_norm, packed.get(b.mlp.gate_up_weight), b.mlp.gate_up_bias, packed.get(b.mlp.down_weight),
-            b.mlp.down_bias, b.attn.window,
+            b.mlp.down_bias, b.attn.window, b.attn.q_norm, b.attn.k_norm,
         )
         for b in model.blocks
     ]

@@ -3,7 +3,8 @@
 Reads config.json and model.safetensors (or a sharded
 model.safetensors.index.json) into the hand-written Transformer, fusing q/k/v
 and gate/up on the way; writes the same layout back, so transformers can load
-what we save.
+what we save. A path shape:NAME[@SEED] is a seeded random-weight model of a
+real model's shape instead (model/shapes.py).
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from safetensors.torch import save_file
 from agentkv.model import lora
 from agentkv.model.base_model import PyPIModelFile, fetch
 from agentkv.model.config import ModelConfig
+from agentkv.model.default import default_model_dir
 from agentkv.model.errors import ModelLoadError
 from agentkv.model.gguf_file import is_gguf, read_gguf_weights
 from agentkv.model.gguf_tokenizer import gguf_tokenizer
 from agentkv.model.llama import Transformer, is_linear_weight
+from agentkv.model.shapes import is_shape, parse_shape, random_model, shape_config
 from agentkv.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +79,9 @@ def _hf_sources(cfg: ModelConfig) -> dict[str, list[str]]:
         src[ours + "attn.o_weight"] = [hf + "self_attn.o_proj.weight"]
         src[ours + "mlp.gate_up_weight"] = [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"]
         src[ours + "mlp.down_weight"] = [hf + "mlp.down_proj.weight"]
+        if cfg.qk_norm:
+            src[ours + "attn.q_norm"] = [hf + "self_attn.q_norm.weight"]
+            src[ours + "attn.k_norm"] = [hf + "self_attn.k_norm.weight"]
         if cfg.qkv_bias:
             src[ours + "attn.qkv_bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
         if cfg.o_bias:
@@ -156,7 +162,12 @@ def is_adapter_dir(path: str | Path) -> bool:
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu") -> Transformer:
     """A Hugging Face checkpoint directory, a GGUF file (dequantized to dtype),
     or an adapter directory: its base fetched, the adapter merged in float32,
-    rounded once to dtype (what a merged checkpoint would hold, bit for bit)."""
+    rounded once to dtype (what a merged checkpoint would hold, bit for bit);
+    or shape:NAME[@SEED], random weights of that shape (model/shapes.py)."""
+    if is_shape(path):
+        name, seed = parse_shape(path)
+        cfg = shape_config(name)
+        return random_model(cfg, resolve_dtype(dtype, cfg, device), seed, device)
     path = Path(path)
     if is_adapter_dir(path):
         merged = load_model(_adapter_base(path), "float32", "cpu")
@@ -178,7 +189,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer: a GGUF file's own, a directory's
-    tokenizer.json, an adapter's base's with the adapter's chat template, else None."""
+    tokenizer.json, an adapter's base's with the adapter's chat template, a
+    shape's the embedded default model's, else None."""
+    if is_shape(path):
+        parse_shape(path)  # an unknown name fails here too
+        return load_tokenizer(default_model_dir())
     path = Path(path)
     if is_adapter_dir(path):
         base = load_tokenizer(_adapter_base(path))

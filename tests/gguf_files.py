@@ -51,14 +51,15 @@ def random_llama(tied: bool, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path, qtype: str, pre: str = "gpt2") -> Path:
-    """model as a GGUF file whose 2-D weights are stored as qtype (norms stay F32)."""
+def write_gguf(model, path: Path, qtype: str, pre: str = "gpt2", arch: str = "llama") -> Path:
+    """model (a Hugging Face Llama, or a Qwen3 with arch "qwen3") as a GGUF
+    file whose 2-D weights are stored as qtype (norms stay F32)."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[qtype]
     cfg = model.config
     tokens, types, merges = _tokenizer_fields()
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -67,7 +68,11 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: str, pre: str = "gpt2
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if arch != "llama":  # llama's files leave it to hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
@@ -82,7 +87,8 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: str, pre: str = "gpt2
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -92,9 +98,10 @@ def write_gguf(model: LlamaForCausalLM, path: Path, qtype: str, pre: str = "gpt2
         else:
             out = names[name]
         data = tensor.float().numpy()
-        if ".self_attn.q_proj." in name:
+        # Only Llama's q/k rows are permuted: Qwen's stay in halves (ggml's NEOX RoPE).
+        if arch == "llama" and ".self_attn.q_proj." in name:
             data = _permute(data, cfg.num_attention_heads)
-        elif ".self_attn.k_proj." in name:
+        elif arch == "llama" and ".self_attn.k_proj." in name:
             data = _permute(data, cfg.num_key_value_heads)
         if data.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
             w.add_tensor(out, gguf.quants.quantize(data, kind), raw_dtype=kind)

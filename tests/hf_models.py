@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 COMMON = dict(
     vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512,
@@ -25,6 +28,9 @@ HF_MODELS = {
     # q/k/v bias, GQA 2:1, head_dim not hidden/heads
     "qwen2-qkvbias": (Qwen2ForCausalLM, Qwen2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    # per-head q/k norms, GQA 2:1, head_dim 32 with hidden/heads 16, untied
+    "qwen3-qknorm": (Qwen3ForCausalLM, Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     # sliding window attention shorter than the test sequences
     "mistral-window": (MistralForCausalLM, MistralConfig, dict(
         num_attention_heads=4, num_key_value_heads=1, sliding_window=24, tie_word_embeddings=False)),

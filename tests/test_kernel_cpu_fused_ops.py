@@ -137,6 +137,25 @@ def test_rope_and_store_matches_reference_bits(dtype, case, layout):
     assert torch.equal(k, k_in) and torch.equal(v, v_in)
 
 
+@pytest.mark.parametrize("layout", ["head-major", "strided"])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"ps{c[0]}-h{c[1][0]}x{c[1][1]}-d{c[2]}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_rope_and_store_with_qk_norm_matches_reference_bits(dtype, case, layout):
+    """Qwen3's per-head q and k norms before the rotation: fresh q rows, and
+    the caller's q, k and v left as they were."""
+    q, k, v, cos, sin, kv, meta = _rope_case(case, dtype, layout)
+    g = torch.Generator().manual_seed(4)
+    q_norm, k_norm = ((torch.randn(q.shape[-1], generator=g) * 0.5 + 1).to(dtype) for _ in range(2))
+    kv_want, kv_plain = kv.clone(), kv.clone()
+    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()
+    want = reference.rope_and_store(q, k, v, cos, sin, kv_want[0], kv_want[1], meta, q_norm, k_norm, 1e-6)
+    got = cpu_fused_ops.rope_and_store(q, k, v, cos, sin, kv[0], kv[1], meta, q_norm, k_norm, 1e-6)
+    plain = reference.rope_and_store(q, k, v, cos, sin, kv_plain[0], kv_plain[1], meta)
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+    assert torch.equal(kv, kv_want) and not torch.equal(kv, kv_plain)
+    assert torch.equal(q, q_in) and torch.equal(k, k_in) and torch.equal(v, v_in)
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_rope_token_bits_do_not_depend_on_the_batch(dtype):
     case = (4, (6, 2), 64, [(70, 10), (1, 37), (5, 3)])  # enough tokens to split over threads

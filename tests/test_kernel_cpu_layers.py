@@ -1,7 +1,8 @@
 """The C++ layer loop (kernels/cpu_layers.py) against the Python loop of
 model/llama.py: the same logits and K/V bits over decode, verify, prefill
-chunks and mixed steps, ragged batches, GQA, sliding windows, biases and tied
-embeddings, in fp32 and bf16; the fallback when it cannot build; bad input."""
+chunks and mixed steps, ragged batches, GQA, sliding windows, biases, tied
+embeddings and Qwen3's per-head q/k norms, in fp32 and bf16; the fallback
+when it cannot build; bad input."""
 from __future__ import annotations
 
 import warnings
@@ -25,22 +26,24 @@ _built = built_on_each_isa(cpu_layers, cpu_linear, cpu_fused_ops, cpu_paged_atte
 PS = 8  # page size
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# (qkv bias, o bias, mlp bias, sliding windows, tied): Llama, Qwen2 (qkv
-# bias, tied), Mistral-like windows on some layers, every bias.
+# (qkv bias, o bias, mlp bias, sliding windows, tied, q/k norms): Llama,
+# Qwen2 (qkv bias, tied), Mistral-like windows on some layers, every bias,
+# Qwen3 (q/k norms).
 MODELS = {
-    "llama": (False, False, False, (0, 0, 0), False),
-    "qwen2": (True, False, False, (0, 0, 0), True),
-    "windows": (False, False, False, (5, 0, 12), False),
-    "biases": (True, True, True, (0, 7, 0), True),
+    "llama": (False, False, False, (0, 0, 0), False, False),
+    "qwen2": (True, False, False, (0, 0, 0), True, False),
+    "windows": (False, False, False, (5, 0, 12), False, False),
+    "biases": (True, True, True, (0, 7, 0), True, False),
+    "qwen3": (False, False, False, (0, 0, 0), True, True),
 }
 
 
 def model_of(name: str, dtype: torch.dtype) -> Transformer:
-    qkv_bias, o_bias, mlp_bias, windows, tied = MODELS[name]
+    qkv_bias, o_bias, mlp_bias, windows, tied, qk_norm = MODELS[name]
     cfg = ModelConfig(
         vocab_size=96, hidden_size=64, intermediate_size=80, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
         max_position_embeddings=512, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, sliding_windows=windows,
-        tie_word_embeddings=tied,
+        tie_word_embeddings=tied, qk_norm=qk_norm,
     )
     model = Transformer(cfg, dtype)
     random_init(model, 5)
@@ -48,6 +51,9 @@ def model_of(name: str, dtype: torch.dtype) -> Transformer:
         for b in model.blocks:
             b.attn_norm.add_(torch.linspace(-0.3, 0.3, 64).to(dtype))
             b.mlp_norm.sub_(torch.linspace(-0.2, 0.2, 64).to(dtype))
+            if qk_norm:
+                b.attn.q_norm.add_(torch.linspace(-0.4, 0.4, 16).to(dtype))
+                b.attn.k_norm.sub_(torch.linspace(-0.3, 0.3, 16).to(dtype))
     model.prepack()
     needs(dtype)
     assert model.packed is not None and model.packed.kernel == "cpp"

@@ -26,9 +26,11 @@ def rope_tables(head_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
 @pytest.mark.parametrize("dtype_tol", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference(case, dtype_tol, device):
+def test_matches_reference(case, dtype_tol, qk_norm, device):
+    """With qk_norm, Qwen3's per-head q and k norms, applied before the rotation."""
     _, page_size, (num_q_heads, num_kv_heads), head_dim, spec = case
     dtype, atol, rtol = dtype_tol
     if device == "cpu" and dtype != torch.float32:
@@ -49,20 +51,26 @@ def test_matches_reference(case, dtype_tol, device):
     k_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
     v_cache = torch.randn(cache_shape, generator=g).to(device, dtype)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    norms = [(torch.randn(head_dim, generator=g) * 0.5 + 1).to(device, dtype) for _ in range(2)] if qk_norm else []
 
-    q_rot = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta)
-    q_expected = reference.rope_and_store(q, k, v, cos, sin, k_expected, v_expected, meta)
+    q_rot = rope_and_store(q, k, v, cos, sin, k_cache, v_cache, meta, *norms, eps=1e-6)
+    q_expected = reference.rope_and_store(q, k, v, cos, sin, k_expected, v_expected, meta, *norms, eps=1e-6)
 
     assert q_rot.dtype == dtype and q_rot.shape == q.shape
+    if qk_norm:  # the norms change q
+        unnormed = reference.rope_and_store(q, k, v, cos, sin, k_expected.clone(), v_expected.clone(), meta)
+        assert not torch.allclose(q_expected, unnormed, atol=0.1)
     torch.testing.assert_close(q_rot, q_expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(k_cache, k_expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(v_cache, v_expected, atol=0, rtol=0)
 
 
-def test_rejects_odd_head_dim(device):
+@pytest.mark.parametrize("head_dim, norm_sizes", [(5, ()), (4, (4, 3))], ids=["odd-head-dim", "norm-size"])
+def test_rejects_bad_shapes(head_dim, norm_sizes, device):
     meta = AttnMetadata.build([1], [1], [[0]], 4, device=device)
-    x = torch.zeros(1, 1, 5, device=device)
+    x = torch.zeros(1, 1, head_dim, device=device)
     cos = torch.zeros(4, 2, device=device)
-    cache = torch.zeros(1, 4, 1, 5, device=device)
+    cache = torch.zeros(1, 4, 1, head_dim, device=device)
+    norms = [torch.ones(n, device=device) for n in norm_sizes]
     with pytest.raises(ValueError):
-        rope_and_store(x, x, x, cos, cos, cache, cache.clone(), meta)
+        rope_and_store(x, x, x, cos, cos, cache, cache.clone(), meta, *norms, eps=1e-6)

@@ -12,8 +12,7 @@ import torch
 
 from agentkv.experiments.common import SHAPES, random_model
 from agentkv.experiments.drivers.system import ROOT
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+from agentkv.model.export import ARCHITECTURES
 # The 35-turn workflow's prompts reach 28k tokens.
 MAX_POSITIONS = 32768
 
@@ -25,10 +24,10 @@ def hf_config(shape: str, tokenizer) -> dict:
     cfg.setdefault("rms_norm_eps", 1e-6)
     cfg["max_position_embeddings"] = max(base["max_position_embeddings"], MAX_POSITIONS)
     cfg.update(
-        head_dim=base["hidden_size"] // base["num_attention_heads"], hidden_act="silu",
+        head_dim=base.get("head_dim") or base["hidden_size"] // base["num_attention_heads"], hidden_act="silu",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_ids[0], torch_dtype="float32",
     )
-    if base["model_type"] == "qwen2":
+    if base["model_type"] in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None)
     return cfg
 
