@@ -296,9 +296,10 @@ def parse_reply(tokenizer: Tokenizer, ids: list[int], stops: list[str],
         return tool_format.parse(text) if tool_format else (text, [])
 
 
-# Characters per token past which a chat's size is checked before the
-# engine's lock: few texts spell a token in more, so below it the check is skipped.
-OVERSIZED_CHARS_PER_TOKEN = 4
+# Characters per context token past which a chat is counted before the
+# engine's lock. Text runs 3-5 characters a token: twice that is rarely a
+# prompt that fits, so a long conversation, natively continued, is not rendered whole.
+OVERSIZED_CHARS_PER_TOKEN = 8
 
 
 def refuse_oversized(host: TurnHost, messages: list[dict], tools: list[dict] | None) -> None:

@@ -13,7 +13,7 @@ from agentkv.model.default import SMALL_MODEL_DIR, random_init
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=512)
+    eng = Engine.from_pretrained(SMALL_MODEL_DIR, num_pages=1024)
     random_init(eng.model, 0)
     return eng
 
