@@ -1,166 +1,71 @@
-"""Tool calls in a model's reply, in the two formats chat templates teach.
+"""Tool calls in a model's reply, in the formats chat templates teach (one
+module each under model.tool_formats):
 
-- hermes (Hermes, Qwen2.5, the embedded default): any number of
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text.
-- llama3_json (Llama 3.1/3.2): the whole reply is `{"name": ..., "parameters": {...}}`,
-  optionally after `<|python_tag|>`, several calls separated by `;`.
+- hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among text;
+- llama3_json: the reply is `{"name": ..., "parameters": {...}}`, calls separated by `;`;
+- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`;
+- mistral_v11: `[TOOL_CALLS]name[ARGS]{...}`, repeated;
+- pythonic: the reply is `[get_weather(city="Paris"), now()]`;
+- phi4_mini: `functools[{"name": ..., "arguments": {...}}, ...]`.
 
 A reply is text the model wrote, so nothing here raises: what does not parse
-as a call stays in the text.
-
-A ToolCallFormat is all one format says: what a call looks like to a grammar
-(engine.structured), the marker that starts one in a reply (streaming shows
-no text past it: engine.api.replies) and how to read the calls back; the
-tokenizer knows its template's (Tokenizer.tool_call_format), and every
-reader of a reply parses with that one. tool_choice_error is the one check
-of a tool_choice against the tools offered.
+as a call stays in the text. The tokenizer knows its template's format
+(Tokenizer.tool_call_format), and every reader of a reply parses with that
+one. tool_choice_error is the one check of a tool_choice against the tools
+offered.
 """
 from __future__ import annotations
 
-import json
 import re
-import secrets
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
+
+from agentkv.model.tool_formats.base import ToolCallFormat, new_call_id
+from agentkv.model.tool_formats.hermes import HERMES, OPEN as _HERMES_OPEN
+from agentkv.model.tool_formats.llama3_json import LLAMA3_JSON, PYTHON_TAG
+from agentkv.model.tool_formats.mistral import ARGS, MARKER as _MISTRAL_MARKER, MISTRAL, MISTRAL_V11
+from agentkv.model.tool_formats.phi4_mini import PHI4_MINI
+from agentkv.model.tool_formats.pythonic import PYTHONIC
 
 __all__ = ["ToolCallFormat", "TOOL_CALL_FORMATS", "format_of_template", "tool_choice_error", "parse_tool_calls",
            "detect_tool_call_format", "new_call_id"]
 
-FORMATS = ("hermes", "llama3_json")
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_SPACE = re.compile(r"\s*")
-_PYTHON_TAG = "<|python_tag|>"
-_LLAMA3_SEPARATORS = " \t\r\n;"
-# Raw control characters (a tab) inside strings are not JSON, but they are
-# unambiguous, models write them, and grammars over length-bounded strings
-# admit them: read such a call rather than lose it.
-_DECODER = json.JSONDecoder(strict=False)
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
-def _as_call(obj: Any, require_arguments: bool) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    key = "arguments" if "arguments" in obj else "parameters"
-    if require_arguments and key not in obj:
-        return None
-    arguments = obj.get(key, {})
-    if isinstance(arguments, str):
-        try:
-            arguments = _DECODER.decode(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return {"id": new_call_id(), "name": obj["name"], "arguments": arguments}
-
-
-def _hermes_block(text: str, start: int) -> tuple[dict | None, int]:
-    """The call in the block opened at start, and where the block ends. The
-    JSON is read first, so a closing tag inside one of its strings is data.
-    An unclosed block at the very end still counts: generation often stops
-    on the closing tag or on EOS right before it."""
-    try:
-        obj, end = _DECODER.raw_decode(text, _SPACE.match(text, start + len(_HERMES_OPEN)).end())
-    except json.JSONDecodeError:
-        return None, start
-    end = _SPACE.match(text, end).end()
-    if text.startswith(_HERMES_CLOSE, end):
-        end += len(_HERMES_CLOSE)
-    elif end < len(text):
-        return None, start
-    return _as_call(obj, require_arguments=False), end
-
-
-def _parse_hermes(text: str) -> tuple[str, list[dict]]:
-    calls, kept, pos = [], [], 0
-    start = text.find(_HERMES_OPEN)
-    while start >= 0:
-        call, end = _hermes_block(text, start)
-        if call is not None:
-            kept.append(text[pos:start])
-            pos = end
-            calls.append(call)
-        start = text.find(_HERMES_OPEN, max(end, start + 1))
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
-    # The newlines that framed each block go with it.
-    return "\n".join(piece.strip() for piece in kept if piece.strip()), calls
-
-
-def _parse_llama3_json(text: str) -> tuple[str, list[dict]]:
-    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
-    if not body.startswith("{"):
-        return text, []
-    decoder, calls, pos = _DECODER, [], 0
-    while pos < len(body):
-        try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError:
-            return text, []
-        # Without markers, only an object shaped like a call is one: a reply that
-        # is JSON for the user ({"name": "Ada"}) must stay text.
-        call = _as_call(obj, require_arguments=True)
-        if call is None:
-            return text, []
-        calls.append(call)
-        while pos < len(body) and body[pos] in _LLAMA3_SEPARATORS:
-            pos += 1
-    return "", calls
+TOOL_CALL_FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, PYTHONIC, PHI4_MINI)}
+FORMATS = tuple(TOOL_CALL_FORMATS)
+# The example call the pythonic templates (Llama 3.2/4's, Gemma 3's) show the model.
+_PYTHONIC_EXAMPLE = re.compile(r"\[func_name1\(param")
 
 
 def parse_tool_calls(text: str, fmt: str | None = None) -> tuple[str, list[dict]]:
     """Split a reply into its text and its tool calls.
 
-    Returns (text outside the calls, [{"id": "call_<24 hex>", "name", "arguments": dict}]).
-    `fmt` is "hermes" or "llama3_json" (see detect_tool_call_format); None tries both.
+    Returns (text outside the calls, [{"id": ..., "name", "arguments": dict}]).
+    `fmt` is one of FORMATS (see detect_tool_call_format); None tries hermes, then llama3_json.
     """
-    if fmt is not None and fmt not in FORMATS:
+    if fmt is not None and fmt not in TOOL_CALL_FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}; expected one of {FORMATS}")
-    if fmt in (None, "hermes"):
-        content, calls = _parse_hermes(text)
-        if calls or fmt == "hermes":
-            return content, calls
-    return _parse_llama3_json(text)
+    if fmt is not None:
+        return TOOL_CALL_FORMATS[fmt].parse(text)
+    content, calls = HERMES.parse(text)
+    return (content, calls) if calls else LLAMA3_JSON.parse(text)
 
 
 def detect_tool_call_format(chat_template: str | None) -> str | None:
-    """The format a chat template teaches its model to call tools in, if any."""
+    """The format a chat template teaches its model to call tools in, if any:
+    read from the template's text, never guessed from a reply."""
     if not chat_template:
         return None
-    if "<tool_call>" in chat_template:
+    if _HERMES_OPEN in chat_template:
         return "hermes"
-    if _PYTHON_TAG in chat_template or ("<|start_header_id|>" in chat_template and '"parameters"' in chat_template):
+    if _MISTRAL_MARKER in chat_template:
+        return "mistral_v11" if ARGS in chat_template else "mistral"
+    if "functools[" in chat_template:
+        return "phi4_mini"
+    if _PYTHONIC_EXAMPLE.search(chat_template):
+        return "pythonic"
+    if PYTHON_TAG in chat_template or ("<|start_header_id|>" in chat_template and '"parameters"' in chat_template):
         return "llama3_json"
     return None
-
-
-@dataclass(frozen=True)
-class ToolCallFormat:
-    name: str
-    marker: str  # what starts a call in a reply
-    call_begin: str  # a call up to its arguments; {name} is the tool's name as a JSON string
-    call_end: str  # after the arguments
-    separator: str  # between parallel calls
-    trigger: str  # what, once written, holds the rest of the reply to a call (tool_choice "auto")
-    unmarked: bool  # a reply may also be calls with no marker at all: JSON from its first character
-
-    def parse(self, text: str) -> tuple[str, list[dict]]:
-        """parse_tool_calls in this format alone."""
-        return parse_tool_calls(text, self.name)
-
-
-TOOL_CALL_FORMATS = {
-    "hermes": ToolCallFormat("hermes", _HERMES_OPEN, _HERMES_OPEN + '\n{{"name": {name}, "arguments": ',
-                             "}\n" + _HERMES_CLOSE, "\n", _HERMES_OPEN, False),
-    "llama3_json": ToolCallFormat("llama3_json", _PYTHON_TAG, '{{"name": {name}, "parameters": ', "}", "; ",
-                                  '{"name": ', True),
-}
 
 
 def format_of_template(chat_template: str | None) -> ToolCallFormat:

@@ -16,7 +16,7 @@ from agentkv.model.tool_calls import (
     tool_choice_error,
 )
 
-CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+CALL_ID = re.compile(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}")
 
 
 def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -139,16 +139,18 @@ def test_never_raises(text):
 
 @pytest.mark.parametrize("fmt", sorted(TOOL_CALL_FORMATS))
 def test_a_format_parses_the_calls_its_grammar_syntax_writes(fmt):
-    # What a grammar holds a call to (call_begin, call_end, separator) is what
-    # the same format's parser reads back, in one call and in parallel ones.
+    # What a grammar holds a call to (list_open, begin, call_end, separator,
+    # list_close) is what the same format's parser reads back, in one call and in parallel ones.
     f = TOOL_CALL_FORMATS[fmt]
-    one = f.call_begin.format(name=json.dumps("get_weather")) + '{"city": "Oslo"}' + f.call_end
-    two = f.call_begin.format(name=json.dumps("now")) + "{}" + f.call_end
-    for text, want in [(one, [("get_weather", {"city": "Oslo"})]),
-                       (one + f.separator + two, [("get_weather", {"city": "Oslo"}), ("now", {})])]:
-        content, calls = f.parse(text)
+    city, empty = ('city="Oslo"', "") if f.python_arguments else ('{"city": "Oslo"}', "{}")
+    one = f.begin("get_weather") + city + f.call_end
+    two = f.begin("now") + empty + f.call_end
+    for calls_text, want in [(one, [("get_weather", {"city": "Oslo"})]),
+                             (one + f.separator + two, [("get_weather", {"city": "Oslo"}), ("now", {})])]:
+        content, calls = f.parse(f.list_open + calls_text + f.list_close)
         assert _calls(calls) == want and content == ""
-    assert f.trigger in one and (f.unmarked or f.marker in one)
+    written = f.list_open + one
+    assert f.trigger in written and (f.unmarked or f.marker in written)
 
 
 def test_format_of_template_defaults_to_hermes():

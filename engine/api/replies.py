@@ -60,7 +60,7 @@ class ReplyText:
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
         self._stops = stops
         self._tool_format = tool_format
-        self._barriers = stops + ((tool_format.marker,) if tool_format else ())
+        self._barriers = stops + ((tool_format.marker,) if tool_format and tool_format.marker else ())
         self._longest = max(map(len, self._barriers), default=0)
         self._text = ""  # everything decoded so far
         self._shown = 0  # characters of text given out
@@ -105,9 +105,9 @@ class ReplyText:
         """How many trailing characters could still become part of a barrier."""
         tail = self._text[self._shown :]
         # Shown text never ends in held-back whitespace, so nothing shown means nothing but whitespace came yet.
-        unmarked = self._tool_format is not None and self._tool_format.unmarked
-        if unmarked and not self._shown and _FIRST_CHAR.match(tail).group(1) in ("", "{"):
-            return len(tail)  # a reply that is a JSON call has no marker: hold it all until the end
+        unmarked = self._tool_format.unmarked if self._tool_format else ""
+        if unmarked and not self._shown and _FIRST_CHAR.match(tail).group(1) in ("", unmarked):
+            return len(tail)  # a reply that is calls may have no marker: hold it all until the end
         held = next(
             (n for n in range(min(len(tail), self._longest - 1), 0, -1) if any(b.startswith(tail[-n:]) for b in self._barriers)),
             0,
