@@ -14,14 +14,17 @@ Arguments are JSON with at most one whitespace character between tokens
 (enough for `json.dumps` layout, which the templates render), so a model
 cannot spend its budget on layout, and properties in the schema's order
 (the order the prompt lists them in). A tool without parameters takes any
-JSON object.
+JSON object. Formats whose calls are Python (pythonic) hold their keyword
+arguments to the schema with an EBNF grammar (engine.python_args), which
+refuses, as a GrammarError, the schema keywords it cannot hold.
 """
 from __future__ import annotations
 
-import json
+import re
 from typing import Any, Protocol
 
 from agentkv.engine.grammar import Grammar, GrammarCache, GrammarError
+from agentkv.engine.python_args import kwargs_grammar
 from agentkv.model.tokenizer import Tokenizer
 from agentkv.model.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat, chosen_tool_name, tool_choice_error
 from agentkv.spec.schema_phrases import schema_phrases
@@ -57,12 +60,44 @@ def _json(schema: dict | bool) -> dict:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE}
 
 
+def _arguments(fn: dict, fmt: ToolCallFormat) -> dict:
+    if fmt.python_arguments:
+        return {"type": "grammar", "grammar": kwargs_grammar(fn["name"], fn.get("parameters"))}
+    return _json(fn.get("parameters") or {"type": "object"})
+
+
 def _call_tags(functions: list[dict], fmt: ToolCallFormat) -> list[dict]:
-    return [
-        {"type": "tag", "begin": fmt.call_begin.format(name=json.dumps(fn["name"])),
-         "content": _json(fn.get("parameters") or {"type": "object"}), "end": fmt.call_end}
-        for fn in functions
-    ]
+    return [{"type": "tag", "begin": fmt.begin(fn["name"]), "content": _arguments(fn, fmt), "end": fmt.call_end}
+            for fn in functions]
+
+
+def _calls(functions: list[dict], fmt: ToolCallFormat, single: bool) -> dict:
+    return {"type": "tags_with_separator", "tags": _call_tags(functions, fmt), "separator": fmt.separator,
+            "at_least_one": True, "stop_after_first": single}
+
+
+def _forced(functions: list[dict], fmt: ToolCallFormat, single: bool) -> dict:
+    """One or more calls, nothing else (in the format's list, where it has one)."""
+    calls = _calls(functions, fmt, single)
+    if not fmt.list_open:
+        return calls
+    return {"type": "sequence", "elements": [{"type": "const_string", "value": fmt.list_open}, calls,
+                                             {"type": "const_string", "value": fmt.list_close}]}
+
+
+def _auto(functions: list[dict], fmt: ToolCallFormat, single: bool) -> dict:
+    """Free text, but what opens a call is held to well-formed calls."""
+    if not fmt.marker:
+        # Calls only as the whole reply (pythonic): the call list, or text that does not open one, or nothing.
+        text = {"type": "sequence", "elements": [{"type": "regex", "pattern": f"[^{re.escape(fmt.unmarked)}]"},
+                                                 {"type": "any_text"}]}
+        return {"type": "or", "elements": [_forced(functions, fmt, single), text, {"type": "const_string", "value": ""}]}
+    if fmt.list_open:
+        # Free text until the list opens; the reply ends with the list.
+        calls = {"type": "tag", "begin": fmt.list_open, "content": _calls(functions, fmt, single), "end": fmt.list_close}
+        return {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": [calls], "stop_after_first": True}
+    return {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": _call_tags(functions, fmt),
+            "stop_after_first": single}
 
 
 def _chosen(functions: list[dict], tool_choice: Any) -> tuple[list[dict], bool]:
@@ -108,14 +143,11 @@ def structural_tag(
     chosen, forced = _chosen(functions, tool_choice)
     schema = _response_schema(response_format)
     if forced:
-        single = not parallel_tool_calls or tool_choice != "required"
-        body = {"type": "tags_with_separator", "tags": _call_tags(chosen, fmt), "separator": fmt.separator,
-                "at_least_one": True, "stop_after_first": single}
+        body = _forced(chosen, fmt, single=not parallel_tool_calls or tool_choice != "required")
     elif schema is not None:
         body = _json(schema)
     elif chosen:
-        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": _call_tags(chosen, fmt),
-                "stop_after_first": not parallel_tool_calls}
+        body = _auto(chosen, fmt, single=not parallel_tool_calls)
     else:
         return None
     return {"type": "structural_tag", "format": body}
