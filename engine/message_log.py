@@ -15,8 +15,9 @@ otherwise and text the template would no longer write.
 The canonical form is what a client echoes back: the role, the content
 (stripped; none and empty are one), the name, and tool calls by function
 name and parsed arguments. Tool-call ids are not part of it: the server
-made them up, the model did not say them, and the shipped templates do not
-render them.
+made them up and the model did not say them (Mistral's templates render
+them, but only into history after the reply, which the held reply, as
+sampled, never includes).
 """
 from __future__ import annotations
 

@@ -336,9 +336,9 @@ def canonicalize(tokenizer: Tokenizer, session: "Session", prompt_len: int) -> N
 
 
 def reply_message(content: str, calls: list[dict]) -> dict:
-    """The reply as a client echoes it back."""
+    """The reply as a client echoes it back (ids too: Mistral's templates refuse calls without them)."""
     return {"role": "assistant", "content": content or None, "tool_calls": [
-        {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
         for c in calls] or None}
 
 

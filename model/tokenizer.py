@@ -95,11 +95,27 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def _normalize_message(message: dict) -> dict:
+def _with_mapping_arguments(call: Any) -> Any:
+    """A tool call whose arguments, if a JSON string of an object, are that object."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    arguments = fn.get("arguments") if isinstance(fn, dict) else None
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        return call
+    fn = {**fn, "arguments": value}
+    return {**call, "function": fn} if "function" in call else fn
+
+
+def _normalize_message(message: dict, mapping_arguments: bool) -> dict:
     if not isinstance(message, dict):
         raise TokenizerError(f"chat messages must be dicts, got {message!r}")
     # OpenAI clients send content=None or tool_calls=None; templates handle a missing key, not None.
     message = {key: value for key, value in message.items() if value is not None}
+    if mapping_arguments and isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = [_with_mapping_arguments(call) for call in message["tool_calls"]]
     reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
     if reasoning is not None:
         message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -111,18 +127,22 @@ def render_chat_template(
     messages: list[dict],
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
+    *,
+    mapping_arguments: bool = False,
     **variables: Any,
 ) -> str:
     """Render `template` as transformers' apply_chat_template(tokenize=False) does.
 
     `tools` are OpenAI function dicts ({"type": "function", "function": {...}});
     `variables` are passed to the template as they are (special tokens, date_string, ...).
+    mapping_arguments: tool calls' JSON-string arguments are given to the template
+    parsed, as vLLM gives them (ToolCallFormat.mapping_arguments), not as sent.
     """
     if not messages:
         raise TokenizerError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(tool, dict) for tool in tools):
         raise TokenizerError("tools must be JSON-schema dicts")
-    messages = [_normalize_message(m) for m in messages]
+    messages = [_normalize_message(m, mapping_arguments) for m in messages]
     variables.setdefault("documents", None)
     try:
         compiled = _compile(template)
@@ -289,9 +309,10 @@ class Tokenizer:
         default the model's, its "tool_use" variant when tools are given.
         `kwargs` become template variables and override the special tokens.
         """
+        template = self._template(chat_template, tools)
         text = render_chat_template(
-            self._template(chat_template, tools), messages, tools, add_generation_prompt,
-            **{**self.special_tokens, **kwargs},
+            template, messages, tools, add_generation_prompt,
+            mapping_arguments=format_of_template(template).mapping_arguments, **{**self.special_tokens, **kwargs},
         )
         return self.encode(text) if tokenize else text
 

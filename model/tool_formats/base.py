@@ -45,6 +45,9 @@ class ToolCallFormat:
     list_close: str = ""
     quoted_name: bool = True
     python_arguments: bool = False  # arguments are Python keyword arguments, not a JSON object
+    # Its templates read a call's arguments as a mapping (iterate it, tojson the
+    # whole call), where OpenAI clients send a JSON string: the tokenizer gives them the mapping.
+    mapping_arguments: bool = False
     new_id: Callable[[], str] = new_call_id
 
     def begin(self, tool: str) -> str:

@@ -61,4 +61,4 @@ def read(text: str) -> tuple[str, list[dict]]:
 
 
 PYTHONIC = ToolCallFormat("pythonic", "", "{name}(", ")", ", ", "[", "[", read, list_open="[", list_close="]",
-                          quoted_name=False, python_arguments=True)
+                          quoted_name=False, python_arguments=True, mapping_arguments=True)
