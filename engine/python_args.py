@@ -71,7 +71,9 @@ class _Builder:
         if "const" in schema:
             return self.rule(json.dumps(_literal(schema["const"])))
         if "enum" in schema:
-            return self.rule(" | ".join(json.dumps(_literal(v)) for v in schema["enum"]) or '""')
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise GrammarError(f"tool {self.tool!r}: the enum of {where} must be a non-empty list")
+            return self.rule(" | ".join(json.dumps(_literal(v)) for v in schema["enum"]))
         if "anyOf" in schema:
             return self.rule(" | ".join(self.value(s, where) for s in schema["anyOf"]))
         types = schema.get("type", list(_TYPES))
@@ -87,7 +89,8 @@ class _Builder:
         if kind == "object":
             if "properties" not in schema:
                 return '"{" (str ": " any (", " str ": " any)*)? "}"'
-            fields = [(k, json.dumps(json.dumps(k, ensure_ascii=False) + ": "), v) for k, v in schema["properties"].items()]
+            fields = [(k, json.dumps(json.dumps(k, ensure_ascii=False) + ": "), v)
+                      for k, v in schema["properties"].items()]
             return f'"{{" {self.fields(fields, schema.get("required", []), where)} "}}"'
         return {"string": "str", "integer": "int", "number": "num", "boolean": "bool", "null": "none"}[kind]
 

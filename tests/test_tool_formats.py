@@ -158,7 +158,8 @@ NOT_CALLS = {
                   "functools are handy"],
     "pythonic": ["Here: [now()]", "[now(]", "[now(1)]", '[os.system("ls")]', "[now(**kw)]",
                  '[now(a=__import__("os"))]', "[f(a=1+1)]", "[f(a=x)]", "[]", "[1, 2]", "[" * 300 + "]" * 300,
-                 "[now()] and then", "[f(a={[1]: 2})]"],
+                 "[now()] and then", "[f(a={[1]: 2})]", "[f(a={1, 2})]", '[f(a=b"x")]', "[f(a=...)]",
+                 "[f(a=1j)]", "[f(a=1e999)]", "[f(a={1: 2})]", '[f(a=-"x")]'],
 }
 
 

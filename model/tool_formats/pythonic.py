@@ -11,6 +11,7 @@ tojson teach the model).
 from __future__ import annotations
 
 import ast
+import math
 import re
 
 from agentkv.model.tool_formats.base import ToolCallFormat
@@ -21,16 +22,27 @@ _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 def _literal(node: ast.expr) -> object:
-    """Raises ValueError on anything but a literal."""
+    """A JSON value written as a Python literal; ValueError on anything else
+    (a set, bytes, an expression: nothing a client could receive as JSON)."""
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        number = _literal(node.operand)
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError("a sign before a non-number")
+        return -number if isinstance(node.op, ast.USub) else number
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ValueError("not a JSON number")
+        return node.value
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        if None in node.keys:
-            raise ValueError("** in a dict")
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    return ast.literal_eval(node)
+        keys = [_literal(k) if k is not None else None for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("a dict key that is not a string")
+        return {k: _literal(v) for k, v in zip(keys, node.values)}
+    raise ValueError(f"not a literal: {type(node).__name__}")
 
 
 def _call(node: ast.expr) -> dict | None:
@@ -40,7 +52,7 @@ def _call(node: ast.expr) -> dict | None:
         return None
     try:
         return {"name": node.func.id, "arguments": {k.arg: _literal(k.value) for k in node.keywords}}
-    except (ValueError, TypeError, SyntaxError, RecursionError):
+    except (ValueError, RecursionError):
         return None
 
 
