@@ -3,17 +3,19 @@ arguments (`city="Paris", days=3`), for formats whose calls are Python
 (model.tool_formats.pythonic). xgrammar's structural tags hold JSON to a
 schema, not Python, so this writes the grammar itself.
 
-Held: the parameter names, in the schema's order, each required one present;
-each value's type (strings double-quoted, True/False/None), enums and
+Held: the parameter names, in the schema's order, each required one present,
+no others (a tool without properties takes no arguments); each value's type
+(strings double-quoted with JSON's escapes, True/False/None), enums and
 consts, array items, object properties (as a dict literal with the schema's
-keys). What a Python grammar here cannot hold (string patterns, formats and
-lengths, numeric bounds, item counts, oneOf/allOf/not/$ref) raises a
-GrammarError naming it, rather than being dropped: a request gets the
-constraint it asked for or a 400.
+keys). Whatever it admits, Python parses. What it cannot hold (string
+patterns, formats and lengths, numeric bounds, item counts,
+oneOf/allOf/not/$ref) raises a GrammarError naming it, rather than being
+dropped: a request gets the constraint it asked for or a 400.
 """
 from __future__ import annotations
 
 import json
+import keyword
 from typing import Any
 
 from agentkv.engine.grammar import GrammarError
@@ -27,13 +29,12 @@ _HANDLED = frozenset({"type", "enum", "const", "properties", "required", "items"
 _TYPES = ("string", "integer", "number", "boolean", "null", "array", "object")
 _SEP = '", "'
 _BASE = r'''
-str ::= "\"" ([^"\\\r\n] | "\\" [^\r\n])* "\""
+str ::= "\"" ([^"\\\r\n] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]))* "\""
 int ::= "-"? ("0" | [1-9] [0-9]*)
 num ::= int ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
 bool ::= "True" | "False"
 none ::= "None"
 any ::= str | num | bool | none | "[" (any (", " any)*)? "]" | "{" (str ": " any (", " str ": " any)*)? "}"
-ident ::= [A-Za-z_] [A-Za-z0-9_]*
 '''
 
 
@@ -118,12 +119,10 @@ def kwargs_grammar(tool: str, parameters: dict | None) -> str:
     if unheld:
         raise GrammarError(f"tool {tool!r}: {', '.join(unheld)} of its parameters cannot be held in Python "
                            "call arguments (pythonic tool-call format)")
-    if "properties" in parameters:
-        fields = [(k, json.dumps(f"{k}="), v) for k, v in parameters["properties"].items()]
-        for key in parameters["properties"]:
-            if not key.isidentifier():
-                raise GrammarError(f"tool {tool!r}: parameter {key!r} is not a Python identifier")
-        root = b.fields(fields, parameters.get("required", []), "parameters")
-    else:
-        root = b.rule('(ident "=" any (", " ident "=" any)*)?')
+    properties = parameters.get("properties", {})
+    for key in properties:
+        if not key.isidentifier() or keyword.iskeyword(key):
+            raise GrammarError(f"tool {tool!r}: parameter {key!r} cannot be a Python keyword argument")
+    fields = [(k, json.dumps(f"{k}="), v) for k, v in properties.items()]
+    root = b.fields(fields, parameters.get("required", []), "parameters")
     return "\n".join([f"root ::= {root}", *b.rules]) + _BASE

@@ -227,6 +227,7 @@ def test_templates_that_cannot_continue_natively_say_so(base, family):
 
 
 def test_pythonic_arguments_are_held_to_the_schema():
+    assert not _is_grammar_accept_string(xgr.Grammar.from_ebnf(kwargs_grammar("now", SCHEMAS["now"])), "x=1")
     grammar = xgr.Grammar.from_ebnf(kwargs_grammar("get_weather", SCHEMAS["get_weather"]))
     for text, ok in [('city="Oslo"', True), ('city="Lima", metric=True', True), ("metric=True", False),
                      ('city="Rome"', False), ('metric=True, city="Oslo"', False), ('city="Oslo", extra=1', False),
@@ -235,7 +236,8 @@ def test_pythonic_arguments_are_held_to_the_schema():
     nested = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}},
                                                "opts": {"type": "object", "properties": {"x": {"type": "null"}}}}}
     grammar = xgr.Grammar.from_ebnf(kwargs_grammar("f", nested))
-    for text, ok in [('tags=["a", "b"], opts={"x": None}', True), ("opts={}", True), ("tags=[1]", False)]:
+    for text, ok in [('tags=["a", "b"], opts={"x": None}', True), ("opts={}", True), ("tags=[1]", False),
+                     (r'tags=["q\"\\\n\u00e9"]', True), (r'tags=["\q"]', False), (r'tags=["\x41"]', False)]:
         assert _is_grammar_accept_string(grammar, text) is ok, text
 
 
@@ -243,7 +245,8 @@ def test_pythonic_arguments_are_held_to_the_schema():
     ({"type": "object", "properties": {"path": {"type": "string", "pattern": "^a"}}}, "pattern"),
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
     ({"type": "object", "properties": {"x": {"oneOf": [{"type": "string"}]}}}, "oneOf"),
-    ({"type": "object", "properties": {"not-an-identifier": {"type": "string"}}}, "not a Python identifier"),
+    ({"type": "object", "properties": {"not-an-identifier": {"type": "string"}}}, "cannot be a Python keyword"),
+    ({"type": "object", "properties": {"class": {"type": "string"}}}, "cannot be a Python keyword"),
 ])
 def test_what_pythonic_arguments_cannot_hold_is_refused(schema, keyword):
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
