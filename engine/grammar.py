@@ -50,9 +50,12 @@ def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list
     """xgrammar's view of the vocabulary. Special tokens (chat markers, EOS)
     are control tokens, never text, and so are tokens holding control bytes:
     given as empty strings, a grammar never allows them, except the stop
-    tokens where it may end."""
+    tokens where it may end. The tool-call format's markers (Mistral's
+    [TOOL_CALLS]) are the exception: replies keep them as text, and a grammar
+    writes them as the token the model learned."""
     vocab = [""] * vocab_size
     special = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+    special -= set(tokenizer.tool_markers.values())
     for token, i in tokenizer.backend.get_vocab(with_added_tokens=True).items():
         if i < vocab_size and token not in special:
             vocab[i] = token

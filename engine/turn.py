@@ -290,7 +290,7 @@ def parse_reply(tokenizer: Tokenizer, ids: list[int], stops: list[str],
     """A reply's content, cut before its first stop string, and its tool calls
     (read only with a format: where tools are offered)."""
     with span("detokenize"):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = tokenizer.decode_reply(ids, tokenizer.tool_markers if tool_format else {})
     text, _ = cut_at_stop(text, stops)
     with span("parse_tools"):
         return tool_format.parse(text) if tool_format else (text, [])

@@ -294,6 +294,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def tool_markers(self) -> dict[int, str]:
+        """The special tokens (id -> text) that are markup of the template's
+        tool-call format (Mistral's [TOOL_CALLS]), which a reply's text keeps."""
+        wanted = set(self.tool_call_format.special_markers)
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()
+                if t.special and t.content in wanted}
+
+    def decode_reply(self, ids: list[int], keep: dict[int, str]) -> str:
+        """decode(ids, skip_special_tokens=True), but with the tokens in keep written as their text."""
+        pieces, start = [], 0
+        for i, token in enumerate(ids):
+            if token in keep:
+                pieces += [self.decode(ids[start:i], skip_special_tokens=True), keep[token]]
+                start = i + 1
+        return "".join(pieces) + self.decode(ids[start:], skip_special_tokens=True)
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -332,19 +349,26 @@ class IncrementalDecoder:
     """Streams text as token ids arrive, never emitting a partial UTF-8 character.
 
     The concatenation of every push() and the final flush() equals
-    tokenizer.decode(all ids): the library holds back a token whose bytes do not
+    tokenizer.decode(all ids) (decode_reply with `keep`): the library holds back a token whose bytes do not
     yet complete a character; flush() gives out what is still held at the end
     of the stream (bytes that never became valid UTF-8 decode to U+FFFD there).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, keep: dict[int, str] | None = None):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._keep = keep or {}  # special tokens written as their text all the same (Tokenizer.decode_reply)
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._emitted = 0  # characters given out so far
+        self._ids: list[int] = []  # since the last kept token
+        self._emitted = 0  # characters of them given out so far
 
     def push(self, token_id: int) -> str:
+        if token_id in self._keep:
+            # decode_reply decodes the ids between kept tokens apart: so does the stream.
+            text = self.flush() + self._keep[token_id]
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            self._ids, self._emitted = [], 0
+            return text
         self._ids.append(token_id)
         text = self._stream.step(self._tokenizer.backend, token_id) or ""
         self._emitted += len(text)

@@ -24,13 +24,13 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from agentkv import Engine
 from agentkv.engine.api import create_app
-from agentkv.engine.grammar import GrammarError
+from agentkv.engine.grammar import GrammarError, GrammarState
 from agentkv.engine.python_args import kwargs_grammar
-from agentkv.engine.structured import structural_tag
+from agentkv.engine.structured import request_grammar, structural_tag
 from agentkv.engine.turn import reply_message
 from agentkv.model.chat_suffix import reply_gap, render_suffix
 from agentkv.model.default import SMALL_MODEL_DIR
-from agentkv.model.tokenizer import Tokenizer
+from agentkv.model.tokenizer import IncrementalDecoder, Tokenizer
 from agentkv.model.tool_calls import TOOL_CALL_FORMATS, detect_tool_call_format
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -331,3 +331,56 @@ def test_a_forced_mistral_v11_call_continues_natively(engines):
                           {"role": "tool", "tool_call_id": first.tool_calls[0]["id"], "content": '{"temp_c": 4}'}]
         second = engine.chat(messages, TOOLS, session=s, max_tokens=4, temperature=0.0)
         assert second.usage["native"] and second.usage["cached_tokens"] >= held - 1
+
+
+# Markers that are special tokens, as [TOOL_CALLS] and [ARGS] are in Mistral's vocabularies.
+
+
+@pytest.fixture(scope="module")
+def mistral_vocab(tmp_path_factory) -> Tokenizer:
+    """The embedded tokenizer with two of its added tokens renamed [TOOL_CALLS]
+    and [ARGS] and made special (same ids: the model has their embeddings),
+    and the mistral_v11 template."""
+    d = tmp_path_factory.mktemp("mistral_vocab")
+    renames = {"<tool_response>": "[TOOL_CALLS]", "</tool_response>": "[ARGS]"}
+    tokens = json.loads((SMALL_MODEL_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in tokens["added_tokens"]:
+        if token["content"] in renames:
+            token.update(content=renames[token["content"]], special=True)
+    config = json.loads((SMALL_MODEL_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = (TEMPLATES / "mistral_v11.jinja").read_text(encoding="utf-8")
+    (d / "tokenizer.json").write_text(json.dumps(tokens), encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (d / "generation_config.json").write_bytes((SMALL_MODEL_DIR / "generation_config.json").read_bytes())
+    return Tokenizer.from_dir(d)
+
+
+def test_special_markers_stay_in_a_replys_text(mistral_vocab):
+    tok = mistral_vocab
+    assert sorted(tok.tool_markers.values()) == ["[ARGS]", "[TOOL_CALLS]"]
+    reply = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}'
+    ids = tok.encode(reply)
+    assert set(tok.tool_markers) <= set(ids)
+    assert "[TOOL_CALLS]" not in tok.decode(ids, skip_special_tokens=True)  # what plain decoding loses
+    assert tok.decode_reply(ids, tok.tool_markers) == reply
+    decoder = IncrementalDecoder(tok, skip_special_tokens=True, keep=tok.tool_markers)
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == reply
+    assert calls_of(tok.tool_call_format.parse(reply)[1]) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+
+
+def test_a_grammar_writes_special_markers_as_their_tokens(mistral_vocab, engines):
+    engine = Engine(engines["mistral_v11"].model, mistral_vocab, num_pages=256)
+    marker = next(i for i, t in mistral_vocab.tool_markers.items() if t == "[TOOL_CALLS]")
+    state = GrammarState(request_grammar(engine, TOOLS, NAMED))
+    assert state.clip([marker]) == [marker]
+    r = engine.chat(ASK, TOOLS, tool_choice=NAMED, max_tokens=96, temperature=0.0)
+    assert r.finish_reason == "tool_calls" and [valid(c["name"], c["arguments"]) for c in r.tool_calls] == ["get_weather"]
+    with TestClient(create_app(engine, "m")) as client:
+        body = {"model": "m", "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 96, "stream": True}
+        chunks = []
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [c["delta"] for chunk in chunks for c in chunk["choices"]]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls") or []] == ["get_weather"]

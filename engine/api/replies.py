@@ -57,7 +57,8 @@ class ReplyText:
     calls are not parsed (no tools offered, or tool_choice "none")."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...], tool_format: ToolCallFormat | None):
-        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True,
+                                           keep=tokenizer.tool_markers if tool_format else None)
         self._stops = stops
         self._tool_format = tool_format
         self._barriers = stops + ((tool_format.marker,) if tool_format and tool_format.marker else ())

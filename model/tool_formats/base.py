@@ -48,6 +48,9 @@ class ToolCallFormat:
     # Its templates read a call's arguments as a mapping (iterate it, tojson the
     # whole call), where OpenAI clients send a JSON string: the tokenizer gives them the mapping.
     mapping_arguments: bool = False
+    # Its markup that vocabularies hold as special tokens (Mistral's [TOOL_CALLS]):
+    # kept in a reply's text, where its calls are read, and writable under a grammar.
+    special_markers: tuple[str, ...] = ()
     new_id: Callable[[], str] = new_call_id
 
     def begin(self, tool: str) -> str:

@@ -57,6 +57,7 @@ def read_v11(text: str) -> tuple[str, list[dict]]:
 
 
 MISTRAL = ToolCallFormat("mistral", MARKER, '{{"name": {name}, "arguments": ', "}", ", ", MARKER, "[", read_v3,
-                         list_open=MARKER + " [", list_close="]", mapping_arguments=True, new_id=short_call_id)
+                         list_open=MARKER + " [", list_close="]", mapping_arguments=True, special_markers=(MARKER,),
+                         new_id=short_call_id)
 MISTRAL_V11 = ToolCallFormat("mistral_v11", MARKER, MARKER + "{name}" + ARGS, "", "", MARKER, "", read_v11,
-                             quoted_name=False, new_id=short_call_id)
+                             quoted_name=False, special_markers=(MARKER, ARGS), new_id=short_call_id)
