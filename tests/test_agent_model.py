@@ -62,6 +62,7 @@ def trained(gpu_run, tmp_path_factory) -> Path:
     return model
 
 
+@pytest.mark.slow
 def test_gpu_command_returns_few_small_files(gpu_run):
     out, ckpt = gpu_run
     names = sorted(p.name for p in out.iterdir())
@@ -71,6 +72,7 @@ def test_gpu_command_returns_few_small_files(gpu_run):
     assert ckpt.is_file()
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_a_flat_sharded_hf_checkpoint(trained):
     names = sorted(p.name for p in trained.iterdir())
     shards = [n for n in names if n.startswith("model-")]
@@ -90,6 +92,7 @@ def test_tiny_run_writes_a_flat_sharded_hf_checkpoint(trained):
     assert json.loads((trained / "eval.json").read_text())["turns"] > 0
 
 
+@pytest.mark.slow
 def test_engine_transformers_and_trainer_logits_match(trained):
     from transformers import AutoModelForCausalLM
 
@@ -150,6 +153,7 @@ def test_segmented_tokenization_equals_whole(tok):
     assert reply == turn.reply_text + "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_eval_script_runs_through_the_engine(trained):
     from agentkv.experiments.default_model.eval import SETS, eval_set, evaluate, report
 
@@ -248,6 +252,7 @@ def test_alt_generator_shares_no_tool_or_argument_name_with_training():
     assert names and args and not (names | args) & train_names
 
 
+@pytest.mark.slow
 def test_eval_turns_are_the_same_in_every_process():
     """The held-out sets are a fixed benchmark: nothing in them may depend on
     the process (set order follows the string hash seed)."""

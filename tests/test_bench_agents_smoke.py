@@ -11,6 +11,8 @@ import pytest
 from agentkv.experiments.benchmarks import bench_agents
 from agentkv.experiments.workloads.agent_runs import AgentRecord, TurnRecord, summarize
 
+pytestmark = pytest.mark.slow
+
 SYSTEMS = ["agentkv", "agentkv-noadmit", "agentkv-lru"]
 
 

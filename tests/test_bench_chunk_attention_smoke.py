@@ -11,6 +11,8 @@ from agentkv.experiments.benchmarks import bench_chunk_attention
 from agentkv.kernels import cpu_chunk_attention
 from tests.cpu_kernels import require_built
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _built():

@@ -14,6 +14,8 @@ from agentkv.kernels import cpu_paged_attention
 from tests.cpu_kernels import require_built
 from tests.test_kernel_cpu_paged_attention import CASES, build
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _built():

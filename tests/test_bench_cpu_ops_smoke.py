@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.experiments.benchmarks import bench_cpu_ops
 from agentkv.kernels import cpu_extension
+
+pytestmark = pytest.mark.slow
 
 
 class FakePeer:

@@ -13,6 +13,8 @@ import torch
 from agentkv.experiments.benchmarks import bench_decode
 from agentkv.experiments.drivers import llamacpp, vllm
 
+pytestmark = pytest.mark.slow
+
 CONTEXTS = (48, 96)
 TOKENS, REPEATS = 5, 2
 

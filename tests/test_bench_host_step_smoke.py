@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.experiments.benchmarks import bench_host_step
 from agentkv.kernels import cpu_layers
+
+pytestmark = pytest.mark.slow
 
 
 def test_writes_a_row_per_batch_with_counted_ops(tmp_path):

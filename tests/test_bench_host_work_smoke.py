@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.experiments.benchmarks import bench_host_work
+
+pytestmark = pytest.mark.slow
 
 
 def test_writes_results_and_both_modes_queue_the_same(tmp_path):

@@ -14,6 +14,8 @@ pytest.importorskip("bfcl_eval", reason="BFCL's data and classes come from PyPI'
 from agentkv.experiments.benchmarks import bench_replay  # noqa: E402
 from agentkv.model.default import SMALL_MODEL_DIR  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SYSTEMS = ["agentkv", "agentkv-block16"]
 
 

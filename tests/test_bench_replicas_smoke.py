@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.experiments.benchmarks import bench_replicas
+
+pytestmark = pytest.mark.slow
 
 
 def test_affinity_and_a_kill_complete_every_turn(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 
 from agentkv.experiments.benchmarks import bench_responses
 
+pytestmark = pytest.mark.slow
+
 SYSTEMS = ["responses", "chat"]
 
 

@@ -13,6 +13,8 @@ from agentkv.experiments.benchmarks import bench_turns  # noqa: E402
 from agentkv.experiments.drivers import llamacpp, replay, vllm  # noqa: E402
 from agentkv.experiments.drivers.checkpoint import prepare_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SYSTEMS = ["stateful", "stateless", "block", "hf", "hf-reuse"]
 
 

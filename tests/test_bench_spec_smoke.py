@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.experiments.benchmarks import bench_spec
+
+pytestmark = pytest.mark.slow
 
 
 def test_writes_results_and_every_drafter_is_greedy_identical(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 from agentkv.engine import trace
 from agentkv.profiling import breakdown
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_breakdown_times_every_phase_from_the_engines_hooks(tmp_path, speculative):

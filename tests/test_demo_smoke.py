@@ -11,6 +11,8 @@ import pytest
 from agentkv.experiments.benchmarks import demo
 from agentkv.model.default import SMALL_MODEL_DIR
 
+pytestmark = pytest.mark.slow
+
 
 def argv_of(**overrides) -> list[str]:
     defaults = {"agents": 4, "fraction": 0.46, "repeats": 1, "max_tokens": 16, "pause_scale": 0.25,

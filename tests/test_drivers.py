@@ -73,6 +73,7 @@ def test_a_server_that_exits_before_it_is_ready_says_why(tmp_path):
     assert "no model here" in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_engine_server_runs_as_a_subprocess(tmp_path):
     with start_engine_server(SMALL_MODEL_DIR, threads=1, extra_args=["--kv-cache-gb", "0.05"],
                              log=tmp_path / "server.log") as server:

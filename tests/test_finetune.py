@@ -16,6 +16,8 @@ from agentkv.experiments.default_model.tokenizer import CHAT_TEMPLATE  # noqa: E
 from agentkv.model.loader import load_model, load_tokenizer  # noqa: E402
 from tests.gguf_files import random_llama, write_gguf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 ARGS = ["--seq-len", "256", "--rows", "2", "--rank", "2", "--eval-turns", "4", "--eval-task-turns", "4",
         "--log-every", "0", "--no-wandb", "--threads", "1", "--final-reserve", "3"]
 

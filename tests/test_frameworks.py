@@ -45,6 +45,8 @@ from agentkv import Engine
 from agentkv.engine.api import create_app
 from tests.conftest import assert_all_pages_free, http_server
 
+pytestmark = pytest.mark.slow
+
 MODEL = "agentkv-default"  # as serve.py names the embedded model, so that the README's snippets run as written
 KEY = "framework-tests"
 APIS = ["chat", "responses"]

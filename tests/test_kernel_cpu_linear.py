@@ -202,6 +202,7 @@ def test_choose_prefers_the_kernel_and_rejects_unknown_names():
         packed_linear.PackedWeights("auto")
 
 
+@pytest.mark.slow
 def test_bench_runs_and_sums_a_step():
     """Smoke test of experiments.benchmarks.bench_cpu_linear on agent-8m's shapes."""
     needs(torch.float32)

@@ -22,6 +22,7 @@ def run_python(code: str, cwd: Path, python: str = sys.executable) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_transformers_llama_builds_from_the_repository_root():
     # transformers imports PyPI's `kernels` (hub_kernels) as soon as a Llama
     # model is built; from the root our kernels/ must not answer it.
@@ -68,6 +69,7 @@ def test_bare_submodule_imports_fail_from_the_root():
     assert out.split().count("refused") == 5
 
 
+@pytest.mark.slow
 def test_the_installed_engine_imports_from_another_directory(tmp_path):
     out = run_python("""
         import agentkv
@@ -116,6 +118,7 @@ INSTALLED = """
 
 
 @pytest.mark.parametrize("editable", [True, False], ids=["editable", "regular"])
+@pytest.mark.slow
 def test_install_kinds(tmp_path, editable):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

@@ -67,6 +67,7 @@ def test_release_ends_the_calling_threads_workers_only():
     assert released == held - 1 and again == held
 
 
+@pytest.mark.slow
 def test_serving_gives_back_the_starting_threads_workers():
     engine = Engine.from_pretrained(small_model_dir())
     with engine.session() as s:

@@ -39,6 +39,7 @@ def test_a_schema_past_the_context_is_refused_while_the_engine_is_busy(engine):
     assert engine.grammars.compiles == compiles  # no grammar compiled for a refused prompt
 
 
+@pytest.mark.slow
 def test_a_long_text_that_fits_is_served(engine):
     # More characters than the check's threshold, far fewer tokens than the
     # context (the vocabulary's longest word, repeated): the check counts, never guesses.

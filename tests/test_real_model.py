@@ -18,6 +18,8 @@ from agentkv.model.base_model import SMOLLM2_135M, fetch
 from agentkv.model.errors import ModelLoadError
 from tests.conftest import assert_all_pages_free, http_server
 
+pytestmark = pytest.mark.slow
+
 AGENT_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-agent"
 MODEL = "smollm2-agent"
 WEATHER = {

@@ -21,6 +21,8 @@ from agentkv.engine.api.cluster import Cluster, RouterMissingError, StartError
 from agentkv.experiments.drivers.servers import free_port, parse_metrics
 from agentkv.model.default import SMALL_MODEL_DIR
 
+pytestmark = pytest.mark.slow
+
 MODEL = "agentkv-replicas"
 # The ring is laid over the replicas' ports, which are random: with 8 sessions it gave one replica
 # all of them in 1 run in 128 (as in one CI run); with 16, in 1 in 32,768.

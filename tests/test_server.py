@@ -221,6 +221,7 @@ def conversation(client: openai.OpenAI, i: int, turns: int, session_id: str) -> 
     return out
 
 
+@pytest.mark.slow
 def test_concurrent_clients_match_one_at_a_time(server):
     clients, turns = 16, 10
     client = server.client()
@@ -375,6 +376,7 @@ def bad_input_session(server):
 
 
 @pytest.mark.parametrize("case,target,body,status", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+@pytest.mark.slow
 def test_bad_request_changes_nothing(server, bad_input_session, case, target, body, status):
     method, path = target.split() if " " in target else ("POST", target)
     before = server.session_info(bad_input_session), server.engine.pool.num_free

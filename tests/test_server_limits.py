@@ -66,6 +66,7 @@ def test_a_full_queue_is_429_with_retry_after_and_changes_nothing(small):
     assert answers["queued"].status_code == 200
 
 
+@pytest.mark.slow
 def test_a_pin_is_always_finite_and_capped():
     # Issue 42: `retain` with no seconds used to pin a session's KV until it
     # was released, so one client could hold the pool for good.
@@ -90,6 +91,7 @@ def test_limits_refuse_an_unbounded_pin():
             Limits(max_retain_s=bad)
 
 
+@pytest.mark.slow
 def test_named_sessions_and_stored_responses_outlive_the_idle_timeout():
     # Issue 42: the idle timeout closed every idle session, those that a named
     # session or a stored response names included: continuing the response

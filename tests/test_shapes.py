@@ -39,6 +39,7 @@ def test_each_shapes_config_is_the_tables(name):
     assert (cfg.rope_scaling or {}).get("rope_type") == (table.get("rope_scaling") or {}).get("rope_type")
 
 
+@pytest.mark.slow
 def test_every_shapes_vocabulary_holds_the_tokenizers_ids():
     tok = load_tokenizer(f"shape:{SMALLEST}")
     assert tok is not None and tok.vocab_size == 49152
@@ -46,6 +47,7 @@ def test_every_shapes_vocabulary_holds_the_tokenizers_ids():
     assert load_tokenizer("shape:qwen3-0.6b@5").vocab_size == tok.vocab_size
 
 
+@pytest.mark.slow
 def test_a_shape_loads_with_the_tables_config_and_the_same_weights_every_time():
     first = load_model(f"shape:{SMALLEST}")
     assert first.cfg == shape_config(SMALLEST)
@@ -68,6 +70,7 @@ def test_a_bad_shape_is_a_clear_error_naming_the_shapes(bad):
         load_tokenizer(bad)
 
 
+@pytest.mark.slow
 def test_serve_accepts_a_shape_and_serves_it_by_that_name(monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -13,6 +13,7 @@ import stat
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentkv.cache.block_table import BlockTable
@@ -145,6 +146,7 @@ def _write_manifests(root: str, start: "multiprocessing.synchronize.Barrier", n:
                                   "pieces": []})
 
 
+@pytest.mark.slow
 def test_two_processes_replacing_one_manifest_never_collide(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(3)
@@ -167,6 +169,7 @@ def test_two_processes_replacing_one_manifest_never_collide(tmp_path):
     assert torn == 0
 
 
+@pytest.mark.slow
 def test_two_stores_replacing_one_record_at_once_never_collide(tmp_path):
     # Two writers of one pid: two stores in one process, or replicas on two machines sharing the folder.
     errors: list[BaseException] = []

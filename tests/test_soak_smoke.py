@@ -14,6 +14,8 @@ import pytest
 
 from agentkv.experiments import soak
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):

@@ -168,6 +168,7 @@ def test_stop_inside_a_draft_leaks_nothing(engine, seed):
                 torch.testing.assert_close(more, ref.append(prompt + out + [7, 8, 9], all_logits=True)[-3:], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_sampling_with_speculation_has_the_target_distribution(engine):
     """Joint law of the first two sampled tokens, with a fixed draft at the
     second position that is sometimes accepted: chi-square against the exact
@@ -256,6 +257,7 @@ def test_suffix_drafts_copy_the_namespace_outputs_and_never_another_namespaces(s
     assert seen and not any(set(d) & set(fresh) for _, d in seen)
 
 
+@pytest.mark.slow
 def test_sampling_with_suffix_drafts_has_the_target_distribution(suffix_engine, monkeypatch):
     """The chi-square test above with the suffix drafter's own drafts: the
     namespace's outputs (seeded with a likely pair, then every trial's own

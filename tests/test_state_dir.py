@@ -180,6 +180,7 @@ def _start(state: Path) -> tuple[subprocess.Popen, str]:
     raise AssertionError("the server did not become ready")
 
 
+@pytest.mark.slow
 def test_sigkill_then_restart_resumes_with_equal_replies(tmp_path, uninterrupted):
     client_kwargs = dict(api_key="unused", max_retries=0, timeout=60)
     history: list[dict] = []
@@ -210,6 +211,7 @@ def test_sigkill_then_restart_resumes_with_equal_replies(tmp_path, uninterrupted
     assert said(first + rest) == uninterrupted
 
 
+@pytest.mark.slow
 def test_stored_responses_continue_after_a_restart(tmp_path):
     def respond(client: TestClient, text: str, previous: str | None) -> dict:
         body = {"model": MODEL, "input": text, "max_output_tokens": 24, "temperature": 0.0}

@@ -122,6 +122,7 @@ def test_a_failing_observer_fails_no_request(ckpt):
     assert_all_pages_free(engine)
 
 
+@pytest.mark.slow
 def test_span_listeners_time_the_engines_phases_and_leave_when_removed():
     engine = Engine.from_pretrained(None)  # the embedded model: a tokenizer and a chat template
     seen: list[tuple[str, float]] = []

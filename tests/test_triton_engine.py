@@ -6,6 +6,8 @@ import torch
 from agentkv import Engine
 from agentkv.experiments.common import random_model
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def model(device):

@@ -8,11 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from agentkv.experiments import common
 
 SPIN = "import time\nend = time.perf_counter() + {s}\nwhile time.perf_counter() < end: pass\n"
 
 
+@pytest.mark.slow
 def test_it_waits_while_another_process_keeps_a_core_busy():
     spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(s=1.5)])
     try:
