@@ -132,3 +132,16 @@ def test_install_kinds(tmp_path, editable):
         assert where == ROOT
     else:
         assert where.is_relative_to(venv) and not (where / "tests").exists()
+
+
+def test_every_package_folder_is_installed():
+    # An editable checkout imports a new subpackage that `pip install .` would leave out.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(("agentkv", *init.parent.relative_to(ROOT).parts))
+        for init in ROOT.rglob("__init__.py")
+        if not any(part.startswith(".") or part in ("tests", "build") for part in init.relative_to(ROOT).parts)
+    }
+    assert folders <= listed, sorted(folders - listed)
