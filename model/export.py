@@ -14,6 +14,7 @@ from agentkv.model.base_model import file_sha256
 from agentkv.model.config import ModelConfig
 from agentkv.model.errors import ModelLoadError
 from agentkv.model.loader import load_model, load_tokenizer, parse_dtype, save_model
+from agentkv.model.shapes import SHAPES, is_shape, parse_shape
 
 
 # transformers' class of each model_type the engine runs (config.json's "architectures").
@@ -43,9 +44,14 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
 SOURCE_FILE = "export_source.json"
 
 
-def source_digest(source: Path) -> str:
+def source_digest(source: str | Path) -> str:
     """The sha256 of what a model path holds (a file, or a folder's files):
-    an adapter retrained in place is another source."""
+    an adapter retrained in place is another source. A shape holds its
+    table's config and its seed (its weights follow from them)."""
+    if is_shape(source):
+        name, seed = parse_shape(source)
+        return hashlib.sha256(json.dumps({"shape": SHAPES[name], "seed": seed}, sort_keys=True).encode()).hexdigest()
+    source = Path(source)
     files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
     h = hashlib.sha256()
     for f in files:
@@ -56,7 +62,9 @@ def source_digest(source: Path) -> str:
 def export_hf(source: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
     """source as an HF checkpoint in out (written whole to a temporary folder,
     then renamed); an export of the same source's same contents is reused."""
-    source, out = Path(source), Path(out)
+    # A shape names no file: as a Path, "shape:x" would resolve under the working directory.
+    shape = is_shape(source)
+    source, out = (str(source) if shape else Path(source)), Path(out)
     digest = source_digest(source)
     stamp = out / SOURCE_FILE
     if stamp.is_file() and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
@@ -76,7 +84,7 @@ def export_hf(source: str | Path, out: str | Path, dtype: str = "bfloat16") -> P
     (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": model.cfg.bos_token_id, "eos_token_id": tok.eos_token_ids}, indent=2))
-    (tmp / SOURCE_FILE).write_text(json.dumps({"source": str(source.resolve()), "digest": digest}, indent=2))
+    (tmp / SOURCE_FILE).write_text(json.dumps({"source": source if shape else str(source.resolve()), "digest": digest}, indent=2))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -4,12 +4,16 @@ default model's tokenizer, wherever a model path is taken (the loader, the
 engine, serve.py). Random weights: for serving benchmarks, never answers."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import uvicorn
 
 from agentkv import serve
+from agentkv.model.dense_forward import dense_hidden, dense_logits
 from agentkv.model.errors import ModelLoadError
+from agentkv.model.export import export_hf
 from agentkv.model.loader import load_model, load_tokenizer
 from agentkv.model.shapes import SHAPES, shape_config
 
@@ -80,3 +84,28 @@ def test_serve_accepts_a_shape_and_serves_it_by_that_name(monkeypatch):
     with TestClient(calls[-1]) as client:
         models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["shape:smollm2-135m"]
+
+
+
+@pytest.mark.slow
+def test_a_shape_exports_as_an_hf_checkpoint_that_transformers_runs_alike(tmp_path):
+    # A peer that cannot read shape: (vLLM, transformers) gets the same seeded weights, exported once.
+    from transformers import AutoModelForCausalLM
+
+    source = f"shape:{SMALLEST}@3"
+    out = export_hf(source, tmp_path / "hf", "float32")
+    stamp = (out / "export_source.json").stat().st_mtime_ns
+    assert export_hf(source, out, "float32") == out and (out / "export_source.json").stat().st_mtime_ns == stamp
+    assert json.loads((out / "export_source.json").read_text())["source"] == source
+    ours = load_model(source)
+    reread = dict(load_model(out).named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(p, reread[name]), name
+    del reread
+    hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 17, 400, 9, 3000, 52, 7, 7, 801]])
+    with torch.no_grad():
+        theirs = hf(ids).logits[0]
+        mine = dense_logits(ours, dense_hidden(ours, ids))[0]
+    torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=0)
+    assert export_hf(f"shape:{SMALLEST}@4", tmp_path / "other", "float32") != out  # another seed, another export
