@@ -304,6 +304,8 @@ class Tokenizer:
 
     def decode_reply(self, ids: list[int], keep: dict[int, str]) -> str:
         """decode(ids, skip_special_tokens=True), but with the tokens in keep written as their text."""
+        if not keep:  # most formats keep none: no pass over the reply in Python
+            return self.decode(ids, skip_special_tokens=True)
         pieces, start = [], 0
         for i, token in enumerate(ids):
             if token in keep:
